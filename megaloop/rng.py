@@ -1,0 +1,49 @@
+"""Counter-based randomness keyed by (seed, step, global sample index, stream).
+
+Every random quantity of a training step that belongs to one sequence (its loop depth, its initial state h_0) is
+a pure function of this key, so it is the same whatever the rank, the micro-batch or the parallel layout that
+happens to process the sequence. The mixing is SplitMix64, vectorised over sample indices with numpy uint64
+arithmetic (wrap-around is the intended modular arithmetic).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+# One stream id per kind of random quantity, so that two quantities of one sample are independent.
+STREAM_DEPTH = 1
+STREAM_H0 = 2
+STREAM_BATCH_DEPTH = 3
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MUL1 = np.uint64(0xBF58476D1CE4E5B9)
+_MUL2 = np.uint64(0x94D049BB133111EB)
+_MASK63 = np.uint64((1 << 63) - 1)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    z = x + _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * _MUL1
+    z = (z ^ (z >> np.uint64(27))) * _MUL2
+    return z ^ (z >> np.uint64(31))
+
+
+def key_hash(seed: int, step: int, index, stream: int) -> np.ndarray:
+    """64-bit hashes of (seed, step, index, stream); `index` is an int or an integer array of sample indices."""
+    idx = np.asarray(index, dtype=np.int64).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        h = _splitmix64(np.full(idx.shape, int(seed) & 0xFFFFFFFFFFFFFFFF, dtype=np.uint64))
+        h = _splitmix64(h ^ np.uint64(int(step) & 0xFFFFFFFFFFFFFFFF))
+        h = _splitmix64(h ^ np.uint64(int(stream) & 0xFFFFFFFFFFFFFFFF))
+        h = _splitmix64(h ^ idx)
+    return h
+
+
+def key_uniform(seed: int, step: int, index, stream: int) -> np.ndarray:
+    """Uniform float64 in the open interval (0, 1), one per index, a pure function of the key."""
+    h = key_hash(seed, step, index, stream)
+    return ((h >> np.uint64(11)).astype(np.float64) + 0.5) / float(1 << 53)
+
+
+def key_seeds(seed: int, step: int, index, stream: int) -> np.ndarray:
+    """Non-negative 63-bit integer seeds (for torch.Generator.manual_seed), one per index."""
+    return (key_hash(seed, step, index, stream) & _MASK63).astype(np.int64)
