@@ -1,0 +1,109 @@
+"""YAML + `a.b=value` overrides -> a typed, validated Config. Unknown keys and wrong types fail with the field name."""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+
+import yaml
+
+from megaloop.config.errors import ConfigError, suggest
+from megaloop.config.tree import Config
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                validate: bool = True, world_size: int | None = None) -> Config:
+    """Read a YAML config (or start from defaults when path is None), apply `section.key=value` overrides,
+    and validate the whole tree (model, sizes, data directory) before anything is built."""
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {path} does not exist (configs live in configs/*.yaml)")
+        raw = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError("<root>", type(raw).__name__, f"{path} must hold a mapping of sections")
+    for item in overrides:
+        _apply_override(raw, item)
+    cfg = from_dict(Config, raw, prefix="")
+    if validate:
+        cfg.validate(world_size=world_size)
+    return cfg
+
+
+def _apply_override(raw: dict, item: str) -> None:
+    if "=" not in item:
+        raise ConfigError("--set", item, "overrides look like section.key=value, e.g. train.steps=100")
+    key, text = item.split("=", 1)
+    parts = key.strip().split(".")
+    node = raw
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(key, text, f"{part} is not a section")
+    node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+
+
+def from_dict(cls, data: dict, prefix: str):
+    """Build dataclass `cls` from a mapping, rejecting unknown keys (with a suggestion) and wrong types."""
+    if not isinstance(data, dict):
+        raise ConfigError(prefix.rstrip(".") or "<root>", data, f"must be a mapping of {cls.__name__} fields")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            raise ConfigError(f"{prefix}{key}", value,
+                              f"unknown key{suggest(key, names)}; valid keys: {', '.join(names)}")
+        kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}")
+    return cls(**kwargs)
+
+
+def _coerce(tp, value, name: str):
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value or {}, prefix=name + ".")
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, name)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(name, value, f"must be a list, got {type(value).__name__}")
+        elem = args[0] if args else typing.Any
+        items = [_coerce(elem, v, f"{name}[{i}]") for i, v in enumerate(value)]
+        if origin is tuple and len(args) > 1 and args[-1] is not Ellipsis and len(items) != len(args):
+            raise ConfigError(name, value, f"must have {len(args)} entries")
+        return tuple(items) if origin is tuple else items
+    return _coerce_scalar(tp, value, name)
+
+
+def _coerce_scalar(tp, value, name: str):
+    if tp is typing.Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(name, value, f"must be true or false, got {type(value).__name__}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(name, value, f"must be an integer, got {type(value).__name__}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(name, value, f"must be a number, got {type(value).__name__}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(name, value, f"must be a string, got {type(value).__name__}")
+    return value

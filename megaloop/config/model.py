@@ -1,0 +1,147 @@
+"""The model section of the config tree: architecture, sizes, recurrence and depth sampling."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megaloop.config.errors import ConfigError, check_choice
+
+ARCHS = ("parcae", "gpt", "rdm")
+INJECTIONS = ("diagonal", "additive", "concat", "none")
+BLOCKS = ("prenorm", "sandwich")
+MLPS = ("relu2", "swiglu")
+DEPTH_SAMPLERS = (
+    "fixed",
+    "poisson-truncated-full",
+    "poisson-truncated-full-batch",
+    "poisson-lognormal-filling",
+    "poisson-lognormal-filling-seq",
+)
+ATTN_BACKENDS = ("auto", "sdpa", "flash", "math")
+
+
+@dataclass
+class ModelConfig:
+    """Sizes and structure of a looped LM. Defaults are parcae-small-140m of the reference.
+
+    arch parcae: prelude -> (injection -> core) x T -> C -> coda. gpt: the same blocks run once, no injection
+    (n_prelude + n_core + n_coda layers in one stack). rdm: concatenation injection W[h; e] (Huginn).
+    """
+
+    arch: str = "parcae"
+    vocab_size: int = 32768
+    d_model: int = 768
+    n_heads: int = 6
+    n_kv_heads: int | None = None  # None: = n_heads
+    n_prelude: int = 2
+    n_core: int = 2
+    n_coda: int = 2
+    mlp: str = "relu2"
+    mlp_hidden: int | None = None  # None: 4 * d_model
+    block: str = "prenorm"
+    injection: str = "diagonal"
+    prelude_norm: bool = True
+    use_C: bool = True
+    value_embeds: bool = True
+    ve_gate_channels: int = 32
+    seq_len: int = 2048
+    rope_base: float = 50000.0
+    norm_eps: float = 1e-5
+    init_std: float | None = None  # None: sqrt(2 / (5 d))
+    attn_backend: str = "auto"
+    mu_rec: int = 8
+    mu_bwd: int | None = None  # None: ceil(mu_rec / 2)
+    depth_sampler: str = "poisson-truncated-full"
+
+    # ---- derived sizes -------------------------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def ffn_hidden(self) -> int:
+        return 4 * self.d_model if self.mlp_hidden is None else self.mlp_hidden
+
+    @property
+    def n_layers(self) -> int:
+        return self.n_prelude + self.n_core + self.n_coda
+
+    @property
+    def backprop_depth(self) -> int:
+        return math.ceil(self.mu_rec / 2) if self.mu_bwd is None else self.mu_bwd
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(2.0 / (5.0 * self.d_model)) if self.init_std is None else self.init_std
+
+    @property
+    def is_looped(self) -> bool:
+        return self.injection != "none"
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first bad field and what it may be."""
+        check_choice("model.arch", self.arch, ARCHS)
+        check_choice("model.injection", self.injection, INJECTIONS)
+        check_choice("model.block", self.block, BLOCKS)
+        check_choice("model.mlp", self.mlp, MLPS)
+        check_choice("model.depth_sampler", self.depth_sampler, DEPTH_SAMPLERS)
+        check_choice("model.attn_backend", self.attn_backend, ATTN_BACKENDS)
+        for name in ("vocab_size", "d_model", "n_heads", "seq_len", "n_core", "ve_gate_channels"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"model.{name}", getattr(self, name), "must be >= 1")
+        for name in ("n_prelude", "n_coda"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"model.{name}", getattr(self, name), "must be >= 0")
+        self._validate_heads()
+        self._validate_recurrence()
+        if self.norm_eps <= 0 or self.rope_base <= 0:
+            raise ConfigError("model.norm_eps/rope_base", (self.norm_eps, self.rope_base), "must both be > 0")
+
+    def _validate_heads(self) -> None:
+        if self.d_model % self.n_heads:
+            divisors = [h for h in range(1, min(self.d_model, 64) + 1) if self.d_model % h == 0]
+            raise ConfigError("model.n_heads", self.n_heads,
+                              f"must divide model.d_model={self.d_model}; allowed values include {divisors}")
+        if self.head_dim % 2:
+            raise ConfigError("model.n_heads", self.n_heads,
+                              f"gives head_dim={self.head_dim}; RoPE needs an even head_dim")
+        kv = self.kv_heads
+        if kv < 1 or self.n_heads % kv:
+            allowed = [h for h in range(1, self.n_heads + 1) if self.n_heads % h == 0]
+            raise ConfigError("model.n_kv_heads", kv, f"must divide model.n_heads={self.n_heads}; allowed {allowed}")
+        if self.value_embeds and self.ve_gate_channels > self.d_model:
+            raise ConfigError("model.ve_gate_channels", self.ve_gate_channels,
+                              f"must be <= model.d_model={self.d_model}")
+
+    def _validate_recurrence(self) -> None:
+        if self.mu_rec < 1:
+            raise ConfigError("model.mu_rec", self.mu_rec, "the mean loop depth must be >= 1")
+        if self.mu_bwd is not None and not 1 <= self.mu_bwd <= self.mu_rec:
+            raise ConfigError("model.mu_bwd", self.mu_bwd,
+                              f"must be in [1, model.mu_rec={self.mu_rec}] (or null for ceil(mu_rec/2))")
+        if self.arch == "gpt":
+            if self.injection != "none" or self.mu_rec != 1:
+                raise ConfigError("model.injection", self.injection,
+                                  "arch gpt runs its blocks once: set model.injection=none and model.mu_rec=1")
+            if self.prelude_norm or self.use_C:
+                raise ConfigError("model.prelude_norm/use_C", (self.prelude_norm, self.use_C),
+                                  "arch gpt has no prelude norm and no C projection: set both to false")
+        elif self.injection == "none":
+            raise ConfigError("model.injection", "none",
+                              f"arch {self.arch} is looped: choose one of diagonal, additive, concat")
+        if self.arch == "rdm" and self.injection != "concat":
+            raise ConfigError("model.injection", self.injection, "arch rdm uses the concatenation injection: concat")
+        if self.arch == "parcae" and self.injection == "concat":
+            raise ConfigError("model.injection", self.injection,
+                              "concat is the RDM injection: set model.arch=rdm, or use diagonal/additive")
+
+    def check_vocab_covers(self, data_vocab_size: int, source: str) -> None:
+        """The embedding must hold every id the data can contain."""
+        if data_vocab_size > self.vocab_size:
+            raise ConfigError("model.vocab_size", self.vocab_size,
+                              f"is too small for the data: {source} uses a tokenizer with {data_vocab_size} ids; "
+                              f"set model.vocab_size >= {data_vocab_size}")

@@ -1,0 +1,99 @@
+"""The non-model sections of the config tree: parallel layout, data, training loop, checkpoints."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megaloop.config.errors import ConfigError, check_choice
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout. dp None: world_size / (tp * pp)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int | None = None
+    sequence_parallel: bool | None = None  # None: on when tp > 1
+    engine: str = "native"  # native | deepspeed
+    zero_stage: int = 1
+    backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | gloo | nccl
+
+    def validate(self) -> None:
+        for name in ("tp", "pp"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"parallel.{name}", getattr(self, name), "must be >= 1")
+        if self.dp is not None and self.dp < 1:
+            raise ConfigError("parallel.dp", self.dp, "must be >= 1 or null (derived from the world size)")
+        check_choice("parallel.engine", self.engine, ("native", "deepspeed"))
+        check_choice("parallel.backend", self.backend, ("auto", "gloo", "nccl"))
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError("parallel.zero_stage", self.zero_stage, "allowed values: 0, 1, 2, 3")
+
+
+@dataclass
+class DataConfig:
+    """Where batches come from. shards: a directory written by `python -m data_prep shards`."""
+
+    shards: str | None = None
+    micro_batch_size: int = 8
+    global_batch_size: int = 32
+    verify: str = "fast"  # full | fast | none
+    on_corrupt: str = "error"  # error | skip
+    prefetch: int = 4
+    val_batches: int = 8
+
+    def validate(self) -> None:
+        for name in ("micro_batch_size", "global_batch_size", "prefetch"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"data.{name}", getattr(self, name), "must be >= 1")
+        if self.val_batches < 0:
+            raise ConfigError("data.val_batches", self.val_batches, "must be >= 0")
+        check_choice("data.verify", self.verify, ("full", "fast", "none"))
+        check_choice("data.on_corrupt", self.on_corrupt, ("error", "skip"))
+
+
+@dataclass
+class TrainConfig:
+    """The training loop."""
+
+    steps: int = 1000
+    out_dir: str = "runs/default"
+    seed: int = 0
+    precision: str = "bf16"  # fp32 | bf16
+    device: str = "auto"  # auto | cpu | cuda
+    log_every: int = 1
+    val_every: int = 100
+    val_depths: list[int] | None = None  # None: 1, 2, 4, mu_rec, 2 mu_rec
+    bucket_depths: bool = True
+    progress: bool = True
+
+    def validate(self) -> None:
+        if self.steps < 1:
+            raise ConfigError("train.steps", self.steps, "must be >= 1")
+        check_choice("train.precision", self.precision, ("fp32", "bf16"))
+        check_choice("train.device", self.device, ("auto", "cpu", "cuda"))
+        for name in ("log_every", "val_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name}", getattr(self, name), "must be >= 1")
+        if self.val_depths is not None and (not self.val_depths or min(self.val_depths) < 1):
+            raise ConfigError("train.val_depths", self.val_depths, "a non-empty list of depths >= 1, or null")
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpointing (sharded zarr checkpoints land in a later step; `every` 0 disables)."""
+
+    dir: str | None = None  # None: <train.out_dir>/checkpoints
+    every: int = 0
+    keep: int = 2
+    resume: str | None = None  # None | "latest" | a step directory
+
+    def validate(self) -> None:
+        if self.every < 0:
+            raise ConfigError("checkpoint.every", self.every, "must be >= 0 (0 disables)")
+        if self.keep < 1:
+            raise ConfigError("checkpoint.keep", self.keep, "must be >= 1")
+
+
+def default_factory(cls):
+    return field(default_factory=cls)

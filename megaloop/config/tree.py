@@ -1,0 +1,79 @@
+"""The one config tree: model, parallel, data, optim, train, checkpoint; validated as a whole before any work."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from megaloop.config.errors import ConfigError
+from megaloop.config.model import ModelConfig
+from megaloop.config.sections import CheckpointConfig, DataConfig, ParallelConfig, TrainConfig
+from megaloop.optim.config import OptimConfig
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def validate(self, world_size: int | None = None) -> "Config":
+        """Check every section, then the sizes that depend on each other. Returns self."""
+        for section in (self.model, self.parallel, self.data, self.optim, self.train, self.checkpoint):
+            section.validate()
+        self._validate_batches(world_size)
+        self._validate_data_dir()
+        return self
+
+    def dp_size(self, world_size: int) -> int:
+        if self.parallel.dp is not None:
+            return self.parallel.dp
+        return max(world_size // (self.parallel.tp * self.parallel.pp), 1)
+
+    def _validate_batches(self, world_size: int | None) -> None:
+        d = self.data
+        dp = self.parallel.dp or (self.dp_size(world_size) if world_size else 1)
+        if d.global_batch_size % (d.micro_batch_size * dp):
+            raise ConfigError(
+                "data.global_batch_size", d.global_batch_size,
+                f"must be divisible by data.micro_batch_size x dp = {d.micro_batch_size} x {dp}; "
+                f"e.g. {d.micro_batch_size * dp * max(d.global_batch_size // (d.micro_batch_size * dp), 1)}")
+        if world_size is not None:
+            needed = self.parallel.tp * self.parallel.pp * dp
+            if needed != world_size:
+                raise ConfigError("parallel", f"tp={self.parallel.tp} pp={self.parallel.pp} dp={dp}",
+                                  f"tp x pp x dp = {needed} but the job has {world_size} processes")
+
+    def _validate_data_dir(self) -> None:
+        if self.data.shards is None:
+            return
+        shards = Path(self.data.shards)
+        manifest = shards / "manifest.json"
+        if not manifest.is_file():
+            raise ConfigError("data.shards", self.data.shards,
+                              "is not a shard directory (no manifest.json); create one with "
+                              "`python -m data_prep shards --input TEXT_DIR --tokenizer TOK_DIR --output DIR`")
+        info = json.loads(manifest.read_text())
+        vocab = _manifest_vocab_size(info)
+        if vocab is not None:
+            self.model.check_vocab_covers(vocab, str(manifest))
+        seq_len = info.get("seq_len")
+        if seq_len is not None and seq_len != self.model.seq_len:
+            raise ConfigError("model.seq_len", self.model.seq_len,
+                              f"the shards in {shards} hold rows of seq_len={seq_len}; set model.seq_len={seq_len}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _manifest_vocab_size(info: dict) -> int | None:
+    for key in ("vocab_size",):
+        if key in info:
+            return int(info[key])
+    tok = info.get("tokenizer")
+    if isinstance(tok, dict) and "vocab_size" in tok:
+        return int(tok["vocab_size"])
+    return None

@@ -1,0 +1,81 @@
+"""How the loop state h and the prelude output e are mixed before the core: u = inject(h, e).
+
+diagonal (Parcae): u = A_bar * h + Delta * (B e), A_bar = exp(-Delta * A), A = exp(A_log), Delta = softplus(dt_bias):
+  a zero-order-hold discretisation of a negative diagonal A, so every entry of A_bar is in (0, 1) and rho(A_bar) < 1.
+additive: u = h + e (A = I, marginally stable).  concat (RDM / Huginn): u = W [h; e], W = [W_1 | W_2].
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class DiagonalInjection(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.A_log = nn.Parameter(torch.zeros(d))
+        self.dt_bias = nn.Parameter(torch.zeros(d))
+        self.B = nn.Parameter(torch.empty(d, d))
+
+    def discretised(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A_bar, Delta), computed in fp32."""
+        delta = F.softplus(self.dt_bias.float())
+        a_bar = torch.exp(-delta * torch.exp(self.A_log.float()))
+        return a_bar, delta
+
+    def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        a_bar, delta = self.discretised()
+        return h * a_bar.to(h.dtype) + delta.to(h.dtype) * (e @ self.B.t().to(e.dtype))
+
+    @torch.no_grad()
+    def spectral_radius(self) -> float:
+        return float(self.discretised()[0].max())
+
+
+class AdditiveInjection(nn.Module):
+    def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        return h + e
+
+    def spectral_radius(self) -> float:
+        return 1.0
+
+
+class ConcatInjection(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.d = d
+        self.W = nn.Linear(2 * d, d, bias=False)
+        self._rho_cache: tuple[int, float] | None = None
+
+    def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        return self.W(torch.cat([h, e], dim=-1))
+
+    @torch.no_grad()
+    def spectral_radius(self) -> float:
+        """rho(W_1), the state-to-state block; cached until the weight changes (eigvals of d x d is not free)."""
+        version = self.W.weight._version
+        if self._rho_cache is None or self._rho_cache[0] != version:
+            w1 = self.W.weight[:, : self.d].detach().double().cpu()
+            self._rho_cache = (version, float(torch.linalg.eigvals(w1).abs().max()))
+        return self._rho_cache[1]
+
+
+def build_injection(kind: str, d: int) -> nn.Module | None:
+    if kind == "diagonal":
+        return DiagonalInjection(d)
+    if kind == "additive":
+        return AdditiveInjection()
+    if kind == "concat":
+        return ConcatInjection(d)
+    if kind == "none":
+        return None
+    raise ValueError(f"unknown injection {kind!r}: allowed diagonal, additive, concat, none")
+
+
+def dt_bias_init(decay: float = 1.0 / math.sqrt(5.0)) -> float:
+    """softplus^-1(-ln decay): with A = 1, A_bar starts at `decay` (1/sqrt 5 in the reference)."""
+    y = -math.log(decay)
+    return y + math.log(-math.expm1(-y))

@@ -1,0 +1,95 @@
+"""Small building blocks: RMSNorm, interleaved RoPE, the MLPs, and the reference initialisers."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with a learnable weight (init 1), normalised in fp32 then cast back (the reference's recipe)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.type_as(x) * self.weight
+
+
+def rms_norm_weightless(x: torch.Tensor) -> torch.Tensor:
+    """QK-norm: weightless RMS normalisation over the last dim (torch's default eps)."""
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def rope_tables(head_dim: int, seq_len: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [seq_len, head_dim // 2] in fp32; pair j of a head rotates by pos * base^(-2j/head_dim)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent channel pairs (2j, 2j+1) of x [B, S, H, D] in fp32; returns x's dtype."""
+    s = x.shape[1]
+    pairs = x.float().unflatten(-1, (-1, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    c = cos[:s, None, :]
+    si = sin[:s, None, :]
+    rotated = torch.stack((even * c - odd * si, odd * c + even * si), dim=-1).flatten(-2)
+    return rotated.type_as(x)
+
+
+class ReluSquaredMLP(nn.Module):
+    """fc -> 0.5 * relu(x)^2 -> proj (no biases)."""
+
+    def __init__(self, d: int, hidden: int):
+        super().__init__()
+        self.fc = nn.Linear(d, hidden, bias=False)
+        self.proj = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(0.5 * F.relu(self.fc(x)).square())
+
+
+class SwiGLUMLP(nn.Module):
+    """Huginn's gated SiLU MLP: fc gives [gate, up] (2 x hidden), proj maps silu(gate) * up back to d."""
+
+    def __init__(self, d: int, hidden: int):
+        super().__init__()
+        self.fc = nn.Linear(d, 2 * hidden, bias=False)
+        self.proj = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.fc(x).chunk(2, dim=-1)
+        return self.proj(F.silu(gate) * up)
+
+
+@torch.no_grad()
+def trunc_orthogonal_(t: torch.Tensor, gain: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Orthogonal init started from a truncated normal (+-2), sign-fixed by R's diagonal, scaled by gain."""
+    rows, cols = t.shape[0], t.numel() // t.shape[0]
+    flat = torch.empty(max(rows, cols), min(rows, cols), dtype=torch.float32)
+    nn.init.trunc_normal_(flat, mean=0.0, std=1.0, a=-2.0, b=2.0, generator=generator)
+    q, r = torch.linalg.qr(flat)
+    q = q * torch.sign(torch.diagonal(r)).unsqueeze(0)
+    if rows < cols:
+        q = q.t()
+    t.copy_(q.reshape(t.shape).to(t.dtype)).mul_(gain)
+    return t
+
+
+@torch.no_grad()
+def scaled_orthogonal_(t: torch.Tensor, std: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Truncated orthogonal with gain std * sqrt(max(rows, cols)), so that entries have std ~ `std`."""
+    rows, cols = t.shape[0], t.numel() // t.shape[0]
+    return trunc_orthogonal_(t, gain=std * math.sqrt(max(rows, cols)), generator=generator)
+
+
+def inverse_softplus(y: float) -> float:
+    return y + math.log(-math.expm1(-y))

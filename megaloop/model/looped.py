@@ -1,0 +1,153 @@
+"""The looped language model: embed -> prelude -> e -> (inject -> core) x T -> C -> coda -> head.
+
+One class covers Parcae (diagonal injection), the additive and RDM (concat) variants and the GPT baseline
+(injection none: the core runs once on e). The model holds architecture only: no process groups, no devices, no
+precision recipes. Its three seams are public methods so that a pipeline can cut stages there:
+  encode(ids, ctx) -> e;  loop_step(h, e, ctx) -> h';  decode(h, ctx) -> normalised hidden;  then logits()/loss.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megaloop.config.model import ModelConfig
+from megaloop.model.block import Block, has_value_embedding
+from megaloop.model.injection import build_injection
+from megaloop.model.init import init_looped_lm_
+from megaloop.model.layers import RMSNorm, rope_tables
+from megaloop.model.recurrence import DepthPlan, run_loop
+
+
+@dataclass
+class LoopContext:
+    """Per-forward tensors shared by every loop step: RoPE tables and the core layers' value embeddings
+    (looked up once from the raw ids and reused at every recurrence)."""
+
+    input_ids: torch.Tensor
+    rope: tuple[torch.Tensor, torch.Tensor]
+    core_ve: list[torch.Tensor | None] = field(default_factory=list)
+
+
+@dataclass
+class ModelOutput:
+    loss: torch.Tensor | None
+    logits: torch.Tensor
+    telemetry: dict = field(default_factory=dict)
+    depth: torch.Tensor | None = None  # per-sequence T_i
+    grad_steps: torch.Tensor | None = None  # per-sequence k_i
+
+
+class LoopedLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        d, v = cfg.d_model, cfg.vocab_size
+        kv_dim = cfg.kv_heads * cfg.head_dim
+        self.embed = nn.Embedding(v, d)
+        self.value_embeds = nn.ModuleDict({
+            str(i): nn.Embedding(v, kv_dim)
+            for i in range(cfg.n_layers) if cfg.value_embeds and has_value_embedding(i, cfg.n_layers)
+        })
+        self.prelude = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_prelude))
+        self.prelude_norm = RMSNorm(d, cfg.norm_eps) if cfg.prelude_norm else None
+        self.injection = build_injection(cfg.injection, d)
+        self.core = nn.ModuleList(Block(cfg, cfg.n_prelude + i) for i in range(cfg.n_core))
+        self.C = nn.Linear(d, d, bias=False) if cfg.use_C else None
+        self.coda = nn.ModuleList(Block(cfg, cfg.n_prelude + cfg.n_core + i) for i in range(cfg.n_coda))
+        self.final_norm = RMSNorm(d, cfg.norm_eps)
+        cos, sin = rope_tables(cfg.head_dim, cfg.seq_len, cfg.rope_base)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    # ---- initialisation ------------------------------------------------------------------------------------
+    def reset_parameters(self, seed: int = 0) -> None:
+        """The reference's scaled-zero orthogonal initialisation, reproducible from `seed`."""
+        init_looped_lm_(self, seed)
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.seq_len, self.cfg.rope_base)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    # ---- seams ---------------------------------------------------------------------------------------------
+    def value_embedding(self, layer: int, input_ids: torch.Tensor) -> torch.Tensor | None:
+        table = self.value_embeds[str(layer)] if str(layer) in self.value_embeds else None
+        return None if table is None else table(input_ids)
+
+    def context(self, input_ids: torch.Tensor) -> LoopContext:
+        s = input_ids.shape[1]
+        if s > self.cfg.seq_len:
+            raise ValueError(f"input has {s} positions but model.seq_len is {self.cfg.seq_len}")
+        rope = (self.rope_cos[:s], self.rope_sin[:s])
+        core_ve = [self.value_embedding(b.layer, input_ids) for b in self.core]
+        return LoopContext(input_ids, rope, core_ve)
+
+    def encode(self, input_ids: torch.Tensor, ctx: LoopContext) -> torch.Tensor:
+        """Embedding, prelude blocks and the prelude norm: the input e that is injected at every loop step."""
+        x = self.embed(input_ids)
+        for block in self.prelude:
+            x = block(x, ctx.rope, self.value_embedding(block.layer, input_ids))
+        return self.prelude_norm(x) if self.prelude_norm is not None else x
+
+    def loop_step(self, h: torch.Tensor, e: torch.Tensor, ctx: LoopContext) -> torch.Tensor:
+        """One recurrence: u = inject(h, e); h' = Core(u). (GPT: Core(e).)"""
+        x = self.injection(h, e) if self.injection is not None else e
+        for block, ve in zip(self.core, ctx.core_ve):
+            x = block(x, ctx.rope, ve)
+        return x
+
+    def decode(self, h: torch.Tensor, ctx: LoopContext) -> torch.Tensor:
+        """C projection, coda blocks and the final norm."""
+        x = self.C(h) if self.C is not None else h
+        for block in self.coda:
+            x = block(x, ctx.rope, self.value_embedding(block.layer, ctx.input_ids))
+        return self.final_norm(x)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Tied head, logits in fp32."""
+        return F.linear(x, self.embed.weight).float()
+
+    # ---- forward -------------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, depth=None,
+                backprop_depth=None, h0: torch.Tensor | None = None, noise_key=None) -> ModelOutput:
+        """depth: int (fixed T for every sequence) or LongTensor [B] of per-sequence depths (default mu_rec;
+        GPT: 1). backprop_depth: the number of final steps with gradient (None: all; int or LongTensor [B]).
+        h0: initial state [B, S, d]; when None it is drawn from noise_key = (seed, step, sample_index [B])
+        (default (0, 0, arange(B))), so a sequence's h_0 does not depend on its batch."""
+        ctx = self.context(input_ids)
+        e = self.encode(input_ids, ctx)
+        plan = DepthPlan.make(self._default_depth(depth), backprop_depth, input_ids.shape[0], input_ids.device)
+        if self.injection is None:
+            h, telemetry = self.loop_step(None, e, ctx), {"executed_steps": 1, "useful_steps": input_ids.shape[0]}
+        else:
+            if h0 is None:
+                h0 = self.initial_state(e, noise_key)
+            h, telemetry = run_loop(self.loop_step, e, h0.to(e.dtype), plan, ctx)
+            rho = self.injection.spectral_radius()
+            telemetry["rho_A"] = rho
+            if self.cfg.injection == "concat":
+                telemetry["rho_W1"] = rho
+        logits = self.logits(self.decode(h, ctx))
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+        return ModelOutput(loss, logits, telemetry, plan.total, plan.grad)
+
+    def _default_depth(self, depth):
+        if depth is None:
+            return 1 if self.injection is None else self.cfg.mu_rec
+        if self.injection is None and not (isinstance(depth, int) and depth == 1):
+            if not (torch.is_tensor(depth) and bool((depth == 1).all())):
+                raise ValueError("the GPT baseline (injection none) runs its blocks once: depth must be 1")
+        return depth
+
+    def initial_state(self, e: torch.Tensor, noise_key=None) -> torch.Tensor:
+        from megaloop.depth import initial_state
+
+        b, s, d = e.shape
+        seed, step, index = noise_key if noise_key is not None else (0, 0, torch.arange(b))
+        return initial_state(b, s, d, seed, step, index, std=self.cfg.std, device=e.device, dtype=torch.float32)
+
+    def spectral_radius(self) -> float | None:
+        return None if self.injection is None else self.injection.spectral_radius()
