@@ -108,3 +108,18 @@ def test_zero_matrix_and_bad_inputs():
         polar_express(torch.zeros(2, 3, 4))
     with pytest.raises(ValueError, match="1..5"):
         polar_express(torch.zeros(3, 3), steps=6)
+
+
+@pytest.mark.parametrize("shape", [(512, 16), (16, 512)])
+def test_uses_the_small_gram_matrix(shape):
+    """Both forms give the same matrix, so only the cost shows the branch: with k = min(rows, cols) and
+    n = max(rows, cols), 5 iterations with the k x k Gram matrix cost 5 (4 n k^2 + 2 k^3) matmul FLOPs, against
+    5 (4 k n^2 + 2 n^3) with the n x n one."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    k, n = min(shape), max(shape)
+    with FlopCounterMode(display=False) as counter:
+        polar_express(torch.randn(shape))
+    small_gram = 5 * (4 * n * k * k + 2 * k**3)
+    print(f"polar_express {shape}: {counter.get_total_flops():,} matmul FLOPs (small-Gram form {small_gram:,})")
+    assert counter.get_total_flops() == small_gram

@@ -1,0 +1,206 @@
+"""Muon + AdamW behind one object: schedules, clipping, non-finite skipping and a plain state dict.
+
+Typical use (one training iteration)::
+
+    opt = build_optimizer(model.named_parameters(), cfg.optim, total_steps)
+    loss.backward()
+    record = opt.step(step)      # clip, skip if non-finite, else update with the schedules at `step`
+    opt.zero_grad()
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import Tensor
+
+from .clip import clip_grads
+from .config import OptimConfig
+from .grouping import ParamGroups, split_param_groups
+from .muon import Muon
+from .schedule import ScheduledValues, check_schedule, scheduled_values
+
+STATE_FORMAT = "megaloop.optim.combined/1"
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one :meth:`CombinedOptimizer.step` did, for logging."""
+
+    step: int
+    grad_norm: float  # global norm before clipping (nan/inf when skipped for that reason)
+    skipped: bool
+    lr_multiplier: float
+    matrix_lr: float  # Muon base lr at this step (before the per-matrix shape factor)
+    adam_lr: float
+    muon_momentum: float
+    muon_weight_decay: float
+
+
+def _adamw_kwargs(params: list[Tensor]) -> dict[str, bool]:
+    """Fused AdamW when every parameter is a floating tensor on CPU or CUDA, else the foreach path."""
+    fusable = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    return {"fused": True} if fusable else {"foreach": True}
+
+
+class CombinedOptimizer:
+    """Muon for the matrix group and torch AdamW for the rest, stepped together on one schedule.
+
+    The schedules (trapezoid lr for both, Muon momentum warm-up, Muon weight-decay decay) are functions of the
+    training iteration: :meth:`step` takes it explicitly, or uses its own counter, which advances on every call
+    (applied or skipped), as the reference's step counter does.
+    """
+
+    def __init__(
+        self,
+        groups: ParamGroups,
+        cfg: OptimConfig,
+        total_steps: int,
+        norm_sq_reduce: Callable[[Tensor], Tensor | None] | None = None,
+    ):
+        cfg.validate()
+        check_schedule(total_steps, cfg.warmup_steps, cfg.cooldown_fraction)
+        self.cfg = cfg
+        self.total_steps = total_steps
+        self.norm_sq_reduce = norm_sq_reduce
+        self.muon_names = [name for name, _ in groups.muon]
+        self.adamw_names = [name for name, _ in groups.adamw]
+        self.params = [p for _, p in groups.muon] + [p for _, p in groups.adamw]
+        self.muon = self._build_muon([p for _, p in groups.muon])
+        self.adamw = self._build_adamw([p for _, p in groups.adamw])
+        self.iteration = 0
+        self.num_skipped = 0
+
+    def _build_muon(self, params: list[Tensor]) -> Muon | None:
+        if not params:
+            return None
+        cfg = self.cfg
+        return Muon(
+            params,
+            lr=cfg.matrix_lr,
+            momentum=cfg.muon_momentum[0],
+            weight_decay=cfg.muon_weight_decay,
+            beta2=cfg.normuon_beta2,
+            nesterov=cfg.nesterov,
+            ns_steps=cfg.ns_steps,
+        )
+
+    def _build_adamw(self, params: list[Tensor]) -> torch.optim.AdamW | None:
+        if not params:
+            return None
+        cfg = self.cfg
+        return torch.optim.AdamW(
+            params,
+            lr=cfg.adam_lr,
+            betas=tuple(cfg.betas),
+            eps=cfg.eps,
+            weight_decay=cfg.adam_weight_decay,
+            **_adamw_kwargs(params),
+        )
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The inner optimizers that exist (Muon first)."""
+        return [opt for opt in (self.muon, self.adamw) if opt is not None]
+
+    def schedule_at(self, step: int) -> ScheduledValues:
+        """The scheduled learning rates, momentum and weight decay at ``step``."""
+        return scheduled_values(self.cfg, step, self.total_steps)
+
+    def _apply_schedule(self, values: ScheduledValues) -> None:
+        if self.muon is not None:
+            for group in self.muon.param_groups:
+                group["lr"] = values.matrix_lr
+                group["momentum"] = values.muon_momentum
+                group["weight_decay"] = values.muon_weight_decay
+        if self.adamw is not None:
+            for group in self.adamw.param_groups:
+                group["lr"] = values.adam_lr
+
+    @torch.no_grad()
+    def step(self, step: int | None = None) -> StepRecord:
+        """Clip gradients, then update every parameter with the schedules at ``step`` (default: own counter).
+
+        If the global gradient norm is not finite nothing is updated (parameters and optimizer state stay
+        bit-identical), the gradients are dropped and the skip is counted.
+        """
+        step = self.iteration if step is None else step
+        values = self.schedule_at(step)
+        grad_norm = clip_grads(self.params, self.cfg.grad_clip, self.norm_sq_reduce)
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            self.num_skipped += 1
+            self.zero_grad(set_to_none=True)
+        else:
+            self._apply_schedule(values)
+            for opt in self.optimizers:
+                opt.step()
+        self.iteration = step + 1
+        return StepRecord(
+            step=step,
+            grad_norm=grad_norm,
+            skipped=skipped,
+            lr_multiplier=values.lr_multiplier,
+            matrix_lr=values.matrix_lr,
+            adam_lr=values.adam_lr,
+            muon_momentum=values.muon_momentum,
+            muon_weight_decay=values.muon_weight_decay,
+        )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients of every managed parameter."""
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, parameter names and the inner optimizers' state dicts (tensors, numbers, strings only)."""
+        return {
+            "format": STATE_FORMAT,
+            "iteration": self.iteration,
+            "num_skipped": self.num_skipped,
+            "muon_names": list(self.muon_names),
+            "adamw_names": list(self.adamw_names),
+            "muon": self.muon.state_dict() if self.muon is not None else None,
+            "adamw": self.adamw.state_dict() if self.adamw is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; the parameter names and their grouping must match this optimizer's."""
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a {STATE_FORMAT} state dict (format = {state.get('format')!r})")
+        for key, names in (("muon_names", self.muon_names), ("adamw_names", self.adamw_names)):
+            if list(state[key]) != names:
+                missing = sorted(set(names) - set(state[key]))[:5]
+                extra = sorted(set(state[key]) - set(names))[:5]
+                raise ValueError(
+                    f"optimizer state was saved for other parameters ({key}): missing {missing}, unexpected "
+                    f"{extra}, or a different order; build the optimizer from the same model and config"
+                )
+        if self.muon is not None:
+            self.muon.load_state_dict(state["muon"])
+        if self.adamw is not None:
+            self.adamw.load_state_dict(state["adamw"])
+        self.iteration = int(state["iteration"])
+        self.num_skipped = int(state["num_skipped"])
+
+
+def build_optimizer(
+    named_params: Iterable[tuple[str, Tensor]],
+    cfg: OptimConfig,
+    total_steps: int,
+    norm_sq_reduce: Callable[[Tensor], Tensor | None] | None = None,
+    verbose: bool = False,
+) -> CombinedOptimizer:
+    """Validate ``cfg``, split the parameters by name (see grouping.py) and build the combined optimizer.
+
+    ``total_steps`` (the run's length in optimizer steps) sets the cool-down and the weight-decay decay;
+    ``norm_sq_reduce`` is passed to :func:`clip_grads`. ``verbose`` prints the one-line group summary.
+    """
+    cfg.validate()
+    groups = split_param_groups(named_params, optimizer=cfg.name)
+    if verbose:
+        print(groups.summary())
+    return CombinedOptimizer(groups, cfg, total_steps, norm_sq_reduce=norm_sq_reduce)
