@@ -1,0 +1,45 @@
+"""Validation loss (and bits per byte when the data knows its bytes per token) at fixed loop depths.
+
+Evaluation always fixes T for every sequence (never a sampled depth) and seeds h_0 from (seed, step=-1,
+validation row), so a validation number is comparable across steps and runs.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megaloop.train.step import autocast_for
+
+VAL_NOISE_STEP = -1
+
+
+def default_val_depths(mu_rec: int, looped: bool) -> list[int]:
+    if not looped:
+        return [1]
+    return sorted({1, 2, 4, mu_rec, 2 * mu_rec})
+
+
+@torch.no_grad()
+def validation_losses(model, batches: list[dict], depths: list[int], seed: int, precision: str, device,
+                      runtime, bytes_per_token: float | None = None) -> dict[int, dict]:
+    """{T: {"val_loss", "val_bpb", "tokens"}} over the given validation batches (token-weighted, summed over dp)."""
+    was_training = model.training
+    model.eval()
+    results = {}
+    for depth in depths:
+        loss_sum, tokens = 0.0, 0
+        for batch in batches:
+            mb = batch["tokens"].to(device)
+            with autocast_for(precision, device):
+                out = model(mb[:, :-1], labels=mb[:, 1:], depth=depth,
+                            noise_key=(seed, VAL_NOISE_STEP, batch["sample_index"]))
+            n = mb.shape[0] * (mb.shape[1] - 1)
+            loss_sum += float(out.loss) * n
+            tokens += n
+        loss_sum, tokens = runtime.sum_over_dp(loss_sum), int(runtime.sum_over_dp(float(tokens)))
+        loss = loss_sum / max(tokens, 1)
+        bpb = loss / math.log(2) / bytes_per_token if bytes_per_token else float("nan")
+        results[depth] = {"val_loss": loss, "val_bpb": bpb, "tokens": tokens}
+    model.train(was_training)
+    return results

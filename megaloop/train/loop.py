@@ -1,0 +1,178 @@
+"""The training loop: build everything from one validated config, run the steps, log, validate, stop cleanly."""
+from __future__ import annotations
+
+import json
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from megaloop.config import Config
+from megaloop.depth import make_sampler
+from megaloop.model import build_model, count_parameters
+from megaloop.optim import build_optimizer
+from megaloop.train.data import open_data
+from megaloop.train.evaluate import default_val_depths, validation_losses
+from megaloop.train.flops import FlopModel, device_peak_tflops
+from megaloop.train.metrics import MetricsWriter
+from megaloop.train.progress import Progress
+from megaloop.train.step import train_step
+
+
+@dataclass
+class RunSummary:
+    steps_done: int = 0
+    tokens: int = 0
+    skipped: int = 0
+    interrupted: bool = False
+    train_time_s: float = 0.0
+    useful_flops: float = 0.0
+    executed_flops: float = 0.0
+    peak_tflops: float = float("nan")
+    peak_source: str = ""
+    n_params: int = 0
+    val: dict = field(default_factory=dict)
+    losses: list = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.train_time_s if self.train_time_s else 0.0
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["tokens_per_s"] = self.tokens_per_s
+        d["val"] = {str(k): v for k, v in self.val.items()}
+        return d
+
+
+class _StopFlag:
+    """Ctrl-C / SIGTERM finish the current step, then stop cleanly (metrics and summary written)."""
+
+    def __init__(self):
+        self.stop = False
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        if self.stop:  # a second Ctrl-C aborts at once
+            raise KeyboardInterrupt
+        self.stop = True
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("train.device=cuda but no CUDA device is available; use train.device=cpu or auto")
+    return torch.device(name)
+
+
+def train(cfg: Config, runtime=None) -> RunSummary:
+    """Run cfg.train.steps optimizer steps. All outputs go under cfg.train.out_dir."""
+    from megaloop.train.runtime import SingleProcessRuntime
+
+    device = resolve_device(cfg.train.device)
+    runtime = runtime or SingleProcessRuntime(device)
+    out_dir = Path(cfg.train.out_dir)
+    data = open_data(cfg, runtime.dp_rank, runtime.dp_size)  # fails early on bad data, before the model
+    model = runtime.prepare_model(build_model(cfg.model, device=device, seed=cfg.train.seed))
+    optimizer = build_optimizer(model.named_parameters(), cfg.optim, cfg.train.steps,
+                                norm_sq_reduce=runtime.norm_sq_reduce())
+    sampler = make_sampler(cfg.model.depth_sampler, cfg.model.mu_rec, cfg.model.backprop_depth, seed=cfg.train.seed)
+    flop_model = FlopModel.of(cfg.model)
+    summary = RunSummary(n_params=count_parameters(model))
+    summary.peak_tflops, summary.peak_source = device_peak_tflops(device, cfg.train.precision)
+    if runtime.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    writer = MetricsWriter(out_dir, enabled=runtime.is_main)
+    val_depths = cfg.train.val_depths or default_val_depths(cfg.model.mu_rec, cfg.model.is_looped)
+    progress = Progress(cfg.train.steps, enabled=runtime.is_main and cfg.train.progress)
+    try:
+        with _StopFlag() as flag:
+            _run_steps(cfg, model, optimizer, sampler, flop_model, data, runtime, writer, progress, summary, flag,
+                       val_depths)
+        summary.val = validation_losses(model, data.val_batches(), val_depths, cfg.train.seed, cfg.train.precision,
+                                        device, runtime, data.bytes_per_token)
+        for depth, v in summary.val.items():
+            writer.write({"kind": "val", "step": summary.steps_done, "T": depth, **v})
+    finally:
+        progress.close()
+        writer.close()
+        data.close()
+    if runtime.is_main:
+        (out_dir / "summary.json").write_text(json.dumps(summary.as_dict(), indent=2))
+    return summary
+
+
+def _run_steps(cfg, model, optimizer, sampler, flop_model, data, runtime, writer, progress, summary, flag,
+               val_depths) -> None:
+    model.train()
+    batches = data.train_batches()
+    for step in range(cfg.train.steps):
+        if flag.stop:
+            summary.interrupted = True
+            break
+        t0 = time.perf_counter()
+        batch = next(batches)
+        t_data = time.perf_counter() - t0
+        depth_sample = sampler.sample(step, batch["sample_index"])
+        stats = train_step(model, optimizer, batch, depth_sample, step, cfg.train.seed, cfg, runtime, flop_model)
+        dt = time.perf_counter() - t0
+        record = _train_record(step, stats, t_data, dt, runtime, summary, optimizer)
+        summary.steps_done = step + 1
+        summary.losses.append(record["loss"])
+        if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1:
+            writer.write(record)
+        progress.update(record)
+        if (step + 1) % cfg.train.val_every == 0 and step + 1 < cfg.train.steps:
+            val = validation_losses(model, data.val_batches(), val_depths, cfg.train.seed, cfg.train.precision,
+                                    runtime.device, runtime, data.bytes_per_token)
+            for depth, v in val.items():
+                writer.write({"kind": "val", "step": step + 1, "T": depth, **v})
+            progress.note(" ".join(f"T{t}:{v['val_loss']:.3f}" for t, v in val.items()))
+
+
+def _train_record(step, stats, t_data, dt, runtime, summary, optimizer) -> dict:
+    tokens = int(runtime.sum_over_dp(float(stats.tokens)))
+    loss = runtime.sum_over_dp(stats.loss_sum) / max(tokens, 1)
+    useful = runtime.sum_over_dp(stats.useful_flops)
+    executed = runtime.sum_over_dp(stats.executed_flops)
+    rec = stats.record
+    summary.tokens += tokens
+    summary.train_time_s += dt
+    summary.useful_flops += useful
+    summary.executed_flops += executed
+    summary.skipped = optimizer.num_skipped
+    peak = summary.peak_tflops * 1e12 * runtime.world_size
+    tel = stats.telemetry
+    sequences = max(runtime.sum_over_dp(float(stats.sequences)), 1.0)
+    return {
+        "kind": "train", "step": step, "loss": loss, "lr": rec.matrix_lr, "grad_norm": float(rec.grad_norm),
+        "skipped": bool(rec.skipped), "skipped_total": optimizer.num_skipped, "tokens": tokens,
+        "tokens_per_s": tokens / dt, "rho_A": float(tel.get("rho_A", float("nan"))),
+        "state_norm": float(tel.get("state_norm", float("nan"))),
+        "recurrent_residual": float(tel.get("recurrent_residual", float("nan"))),
+        "mean_depth": runtime.sum_over_dp(stats.depth_sum) / sequences,
+        "executed_depth": runtime.sum_over_dp(stats.executed_depth_sum) / sequences,
+        "useful_flops": useful, "executed_flops": executed,
+        "mfu": useful / dt / peak if math.isfinite(peak) else float("nan"),
+        "hfu": executed / dt / peak if math.isfinite(peak) else float("nan"),
+        "time_data": t_data, "time_forward": stats.times["forward"], "time_backward": stats.times["backward"],
+        "time_optimizer": stats.times["optimizer"], "time_step": dt,
+    }
+

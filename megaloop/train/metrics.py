@@ -1,0 +1,83 @@
+"""metrics.jsonl (one JSON object per line) and TensorBoard event files, with the documented schema.
+
+Two record kinds share the file: "train" (one per optimizer step) and "val" (one per validation depth T).
+SCHEMA below is the contract that tests validate and the README documents.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+NUMBER = (int, float)
+
+TRAIN_FIELDS = {
+    "kind": str, "step": int, "loss": NUMBER, "lr": NUMBER, "grad_norm": NUMBER, "skipped": bool,
+    "skipped_total": int, "tokens": int, "tokens_per_s": NUMBER, "rho_A": NUMBER, "state_norm": NUMBER,
+    "recurrent_residual": NUMBER, "mean_depth": NUMBER, "executed_depth": NUMBER, "useful_flops": NUMBER,
+    "executed_flops": NUMBER, "mfu": NUMBER, "hfu": NUMBER, "time_data": NUMBER, "time_forward": NUMBER,
+    "time_backward": NUMBER, "time_optimizer": NUMBER, "time_step": NUMBER,
+}
+VAL_FIELDS = {"kind": str, "step": int, "T": int, "val_loss": NUMBER, "val_bpb": NUMBER, "tokens": int}
+SCHEMA = {"train": TRAIN_FIELDS, "val": VAL_FIELDS}
+
+
+def validate_record(record: dict) -> None:
+    """Raise ValueError if a metrics record does not follow SCHEMA (missing field, wrong type)."""
+    kind = record.get("kind")
+    if kind not in SCHEMA:
+        raise ValueError(f"record kind {kind!r} is not one of {sorted(SCHEMA)}")
+    for name, tp in SCHEMA[kind].items():
+        if name not in record:
+            raise ValueError(f"{kind} record lacks {name!r}: {record}")
+        value = record[name]
+        if tp is NUMBER and isinstance(value, bool) or not isinstance(value, tp):
+            raise ValueError(f"{kind} record field {name!r}={value!r} is not {tp}")
+
+
+class MetricsWriter:
+    """Appends records to <out_dir>/metrics.jsonl and mirrors numbers to TensorBoard (<out_dir>/tb)."""
+
+    def __init__(self, out_dir: Path, enabled: bool = True, tensorboard: bool = True):
+        self.enabled = enabled
+        self.path = Path(out_dir) / "metrics.jsonl"
+        self._file = None
+        self._tb = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", buffering=1)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(Path(out_dir) / "tb"))
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        validate_record(record)
+        self._file.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            self._mirror(record)
+
+    def _mirror(self, record: dict) -> None:
+        step = record["step"]
+        if record["kind"] == "val":
+            self._tb.add_scalar(f"val/loss_T{record['T']}", record["val_loss"], step)
+            return
+        for key, value in record.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                self._tb.add_scalar(f"train/{key}", value, step)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.flush()
+            self._tb.close()
+            self._tb = None
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
