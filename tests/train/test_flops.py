@@ -1,0 +1,54 @@
+"""FLOP accounting: the reference's convention reproduces its published GFLOP/token table, our convention is
+checked against a hand count, and useful vs executed FLOPs follow the depths of a micro-batch."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from megaloop.config import ModelConfig, load_config
+from megaloop.model import build_model, count_parameters
+from megaloop.train.flops import FlopModel, reference_flops_per_token
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+PUBLISHED_GFLOP_PER_TOKEN = {
+    "parcae-140m": 1.360, "parcae-370m": 4.174, "parcae-770m": 8.860, "parcae-1_3b": 15.834,
+    "gpt-140m": 0.821, "gpt-370m": 2.416, "gpt-770m": 4.955, "gpt-1_3b": 8.607,
+}
+
+
+@pytest.mark.parametrize("name,published", sorted(PUBLISHED_GFLOP_PER_TOKEN.items()))
+def test_reference_convention_reproduces_published_table(name, published):
+    cfg = load_config(CONFIGS / f"{name}.yaml").model
+    total = count_parameters(build_model(cfg, device="meta"))
+    got = reference_flops_per_token(cfg, total) / 1e9
+    print(f"{name}: {got:.3f} GFLOP/token (published {published:.3f})")
+    assert abs(got - published) <= 0.0006
+
+
+def test_our_convention_by_hand():
+    cfg = ModelConfig(vocab_size=100, d_model=8, n_heads=2, n_prelude=1, n_core=2, n_coda=1, seq_len=4,
+                      mu_rec=3, mu_bwd=1)
+    d, s, v, f = 8, 4, 100, 32
+    block = 4 * d * d + 2 * d * f  # q, k, v, proj + fc, proj
+    n_nc = 2 * block + d * d + v * d  # prelude + coda + C + tied head
+    n_loop = 2 * block + d * d  # core + B
+    fm = FlopModel.of(cfg)
+    assert fm.non_loop == 6 * n_nc + 12 * d * s * 2
+    assert fm.step_nograd == 2 * n_loop + 4 * d * s * 2
+    assert fm.step_grad == 6 * n_loop + 12 * d * s * 2
+    causal = FlopModel.of(cfg, causal=True)
+    assert causal.step_grad == 6 * n_loop + 6 * d * s * 2
+
+
+def test_useful_and_executed_follow_depths():
+    cfg = ModelConfig(vocab_size=100, d_model=8, n_heads=2, n_prelude=1, n_core=2, n_coda=1, seq_len=4)
+    fm = FlopModel.of(cfg)
+    n, k = torch.tensor([0, 3, 1]), torch.tensor([1, 2, 2])
+    useful = fm.useful(n, k, 4)
+    by_hand = 4 * sum(fm.non_loop + ni * fm.step_nograd + ki * fm.step_grad for ni, ki in [(0, 1), (3, 2), (1, 2)])
+    assert useful == pytest.approx(by_hand, rel=1e-12)
+    executed = fm.executed(n, k, 4)
+    assert executed == pytest.approx(4 * 3 * (fm.non_loop + 3 * fm.step_nograd + 2 * fm.step_grad), rel=1e-12)
+    assert executed > useful
+    same = torch.tensor([2, 2, 2])
+    assert fm.executed(same, same, 4) == pytest.approx(fm.useful(same, same, 4), rel=1e-12)
