@@ -1,0 +1,151 @@
+"""Command line: `python -m data_prep {tokenizer,shards,inspect} ...` (see --help of each)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from .errors import DataPrepError
+
+DEFAULT_LOCAL_WORKERS = min(os.cpu_count() or 1, 16)
+
+
+def _add_tokenizer_parser(commands) -> None:
+    p = commands.add_parser("tokenizer", help="train a byte-level BPE tokenizer on a directory of text",
+                            description="Train a byte-level BPE (GPT-4-style split, 256-byte alphabet, specials "
+                            "<|bos|> <|eos|> <|pad|>) and save it with its config and content hash.")
+    p.add_argument("--input", required=True, help="directory of text files (searched recursively)")
+    p.add_argument("--output", required=True, help="directory to write the tokenizer to")
+    p.add_argument("--vocab-size", type=int, default=32768, help="vocabulary size incl. specials (default 32768)")
+    p.add_argument("--glob", default="*", help="file-name pattern of the documents (default: every file)")
+    p.add_argument("--max-bytes", type=int, default=None, help="train on at most this many bytes of text")
+    p.add_argument("--min-frequency", type=int, default=0, help="minimum pair count for a merge (default 0)")
+    p.add_argument("--overwrite", action="store_true", help="replace a tokenizer already in --output")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _add_shards_parser(commands) -> None:
+    p = commands.add_parser("shards", help="tokenize and pack a directory of text into webdataset shards",
+                            description="Encode every file (one file = one document, BOS/EOS around each), pack "
+                            "rows of seq_len+1 tokens, write tar shards (one .npy per row) and manifest.json. "
+                            "Under mpirun the ranks share the encoding; the output is identical for any number "
+                            "of workers or ranks.")
+    p.add_argument("--input", required=True, help="directory of text files (searched recursively)")
+    p.add_argument("--tokenizer", required=True, help="tokenizer directory (from `data_prep tokenizer`)")
+    p.add_argument("--output", required=True, help="directory to write shards and manifest.json to")
+    p.add_argument("--seq-len", type=int, required=True, help="sequence length; rows hold seq_len + 1 tokens")
+    p.add_argument("--workers", type=int, default=None,
+                   help=f"encoding processes per rank (default {DEFAULT_LOCAL_WORKERS} locally, 1 under MPI)")
+    p.add_argument("--val-fraction", type=float, default=0.01,
+                   help="fraction of documents held out for validation, chosen by file-name hash (default 0.01)")
+    p.add_argument("--shard-size", type=int, default=8192, help="rows per shard (default 8192)")
+    p.add_argument("--keep-last-partial", action="store_true",
+                   help="keep each split's final incomplete row, padded with <|pad|> (default: drop it)")
+    p.add_argument("--glob", default="*", help="file-name pattern of the documents (default: every file)")
+    p.add_argument("--encoder", choices=("auto", "tiktoken", "hf"), default="auto",
+                   help="auto: tiktoken when it matches HF ids on a sample, else HF")
+    p.add_argument("--max-invalid-fraction", type=float, default=0.1,
+                   help="skip (and count) files with more than this fraction of invalid UTF-8 bytes")
+    p.add_argument("--mpi", choices=("auto", "on", "off"), default="auto",
+                   help="auto: use MPI when started by mpirun/mpiexec")
+    p.add_argument("--overwrite", action="store_true", help="replace shards already in --output")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _add_inspect_parser(commands) -> None:
+    p = commands.add_parser("inspect", help="report on a shard directory and check its checksums",
+                            description="Print counts, verify shard checksums and structure, check the tokenizer "
+                            "hash and decode a sample row. Exit status 1 when anything is wrong.")
+    p.add_argument("shard_dir", help="directory written by `data_prep shards`")
+    p.add_argument("--verify", choices=("full", "fast", "none"), default="full",
+                   help="full: sha256 of every shard; fast: sizes only; none")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: SHARD_DIR/tokenizer)")
+    p.add_argument("--split", default="train", help="split to take the sample row from")
+    p.add_argument("--sample-tokens", type=int, default=96, help="tokens of the sample row to decode")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m data_prep", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    _add_tokenizer_parser(commands)
+    _add_shards_parser(commands)
+    _add_inspect_parser(commands)
+    return parser
+
+
+def run_tokenizer(args) -> int:
+    from .tokenizer import SAMPLE_FILE, train_tokenizer
+
+    start = time.perf_counter()
+    tok = train_tokenizer(args.input, args.output, args.vocab_size, args.glob, args.max_bytes, args.min_frequency,
+                          args.overwrite, progress=not args.quiet)
+    seconds = time.perf_counter() - start
+    corpus = tok.config["training_corpus"]
+    print(f"trained in {seconds:.1f} s on {corpus['files']} files ({corpus['text_bytes'] / 1e6:.1f} MB), "
+          f"vocab {tok.vocab_size}, skipped {corpus['skipped']}, {corpus['replaced_bytes']} bytes replaced")
+    print(f"hash {tok.hash}\nencoder {tok.encoder_name}" + (f" ({tok.fast_problem})" if tok.fast_problem else ""))
+    sample = (tok.directory / SAMPLE_FILE).read_text(encoding="utf-8")
+    if sample:
+        print(f"bytes per token on the verification sample: {len(sample.encode()) / len(tok.encode(sample)):.3f}")
+    return 0
+
+
+def run_shards(args) -> int:
+    from .mpi_prepare import launched_by_mpi, prepare_shards_mpi, world_communicator
+    from .prepare import ShardOptions, prepare_shards
+
+    use_mpi = args.mpi == "on" or (args.mpi == "auto" and launched_by_mpi())
+    comm = world_communicator() if use_mpi else None
+    rank = comm.Get_rank() if comm is not None else 0
+    workers = args.workers if args.workers is not None else (1 if use_mpi else DEFAULT_LOCAL_WORKERS)
+    options = ShardOptions(seq_len=args.seq_len, shard_size=args.shard_size, val_fraction=args.val_fraction,
+                           keep_last_partial=args.keep_last_partial, glob=args.glob, encoder=args.encoder,
+                           max_invalid_fraction=args.max_invalid_fraction, workers=workers,
+                           overwrite=args.overwrite, progress=not args.quiet and rank == 0)
+    start = time.perf_counter()
+    try:
+        if comm is None:
+            manifest = prepare_shards(args.input, args.tokenizer, args.output, options)
+        else:
+            manifest = prepare_shards_mpi(args.input, args.tokenizer, args.output, options, comm)
+    except BaseException as err:
+        if comm is not None and comm.Get_size() > 1:
+            print(f"error on MPI rank {rank}: {err}", file=sys.stderr, flush=True)
+            comm.Abort(2)
+        raise
+    if manifest is not None:
+        _print_shard_summary(manifest, time.perf_counter() - start, comm.Get_size() if comm else 1, workers)
+    return 0
+
+
+def _print_shard_summary(manifest: dict, seconds: float, ranks: int, workers: int) -> None:
+    counts = manifest["counts"]
+    for split, info in sorted(manifest["splits"].items()):
+        print(f"{split}: {info['rows']} rows ({info['tokens']} tokens) in {len(info['shards'])} shards, "
+              f"{info['documents']} documents")
+    print(f"files: {counts['files_used']} used, {counts['files_skipped']} skipped {counts['skipped_by_reason']}, "
+          f"{counts['replaced_bytes']} invalid bytes replaced in {counts['files_with_replaced_bytes']} files")
+    mb = counts["text_bytes"] / 1e6
+    print(f"{mb:.1f} MB of text in {seconds:.1f} s = {mb / seconds:.2f} MB/s "
+          f"({ranks} rank(s) x {workers} worker(s), encoder {manifest['tokenizer']['encoder']})")
+
+
+def run_inspect(args) -> int:
+    from .inspect_cmd import inspect_shards
+
+    problems = inspect_shards(args.shard_dir, args.verify, args.tokenizer, args.split, args.sample_tokens,
+                              progress=not args.quiet)
+    print("OK" if problems == 0 else f"{problems} problem(s) found")
+    return 0 if problems == 0 else 1
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    handler = {"tokenizer": run_tokenizer, "shards": run_shards, "inspect": run_inspect}[args.command]
+    try:
+        return handler(args)
+    except DataPrepError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,197 @@
+"""The training loader: global batches in a dp-independent order, each rank's contiguous share, exact resume.
+
+Stream position p (counted from the start of the run) reads row perm_{seed, epoch}(p mod N) with epoch = p // N
+(see data_prep.order). Global batch s is positions [s*G, (s+1)*G); data-parallel rank r of dp takes positions
+s*G + [r*G/dp, (r+1)*G/dp). So the set and order of rows in a global batch depends only on (seed, s), never on dp,
+and every row is used exactly once per N positions (an epoch may end inside a batch; the batch simply continues
+with the next epoch's order).
+
+Each batch is a dict:
+    tokens        LongTensor [G/dp, seq_len + 1]   input_ids = tokens[:, :-1], labels = tokens[:, 1:]
+    sample_index  LongTensor [G/dp]                run-wide global sample index s*G + j (j in 0..G-1)
+    row_id        LongTensor [G/dp]                the row's id in the manifest (shard first_row + member)
+    epoch         LongTensor [G/dp]                the epoch each sample belongs to
+    step          int                              s
+
+State: {"version", "step", "epoch", "position", "seed", "global_batch_size", "num_rows", "dataset"} where step is
+the next global batch to yield. Restoring it, under any dp that divides G, continues the identical stream.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+
+import numpy as np
+import torch
+
+from .errors import DataPrepError, ResumeStateError
+from .manifest import manifest_fingerprint
+from .order import rank_slice, rows_at
+from .shard_reader import ShardDataset
+
+STATE_VERSION = 1
+__all__ = ["ShardLoader", "ShardDataset", "validation_batches"]
+
+
+def _check_layout(global_batch_size: int, dp_rank: int, dp_size: int) -> None:
+    if dp_size < 1 or not 0 <= dp_rank < dp_size:
+        raise DataPrepError(f"dp_rank {dp_rank} is not in [0, dp_size={dp_size})", "pass 0 <= dp_rank < dp_size")
+    if global_batch_size < 1 or global_batch_size % dp_size:
+        raise DataPrepError(f"global batch size {global_batch_size} is not a positive multiple of dp size {dp_size}",
+                            "choose a global batch size divisible by the number of data-parallel ranks")
+
+
+class ShardLoader:
+    """Streams this data-parallel rank's share of each global batch from a shard directory.
+
+    Args:
+        shard_dir: directory written by `python -m data_prep shards`.
+        global_batch_size: G, rows per optimizer step over all data-parallel ranks (a multiple of dp_size).
+        dp_rank, dp_size: this rank and the number of data-parallel ranks.
+        seed: selects the sample order (with the epoch).
+        split: "train" (default) or "val".
+        verify: manifest checksum check at start-up: "full" (sha256), "fast" (sizes), "none".
+        on_corrupt: "error" (raise, naming shard and member) or "skip" (leave bad shards out; see `skipped`).
+        prefetch: batches prepared ahead by a background thread (0: none).
+        tokenizer_hash: when given, must equal the manifest's tokenizer hash.
+    """
+
+    def __init__(self, shard_dir, global_batch_size: int, dp_rank: int = 0, dp_size: int = 1, seed: int = 0,
+                 split: str = "train", verify: str = "fast", on_corrupt: str = "error", prefetch: int = 2,
+                 tokenizer_hash: str | None = None):
+        _check_layout(global_batch_size, dp_rank, dp_size)
+        self.dataset = ShardDataset(shard_dir, split, verify, on_corrupt, tokenizer_hash)
+        if len(self.dataset) == 0:
+            raise DataPrepError(f"split {split!r} of {shard_dir} has no rows left to read "
+                                f"(skipped: {self.dataset.skipped})", "re-create the shards")
+        self.global_batch_size, self.dp_rank, self.dp_size = global_batch_size, dp_rank, dp_size
+        self.local_batch_size = global_batch_size // dp_size
+        self.seed, self.prefetch = seed, prefetch
+        self.dataset_id = manifest_fingerprint(self.dataset.manifest) + f"/{split}/{len(self.dataset)}"
+        self._step = 0
+
+    @property
+    def num_rows(self) -> int:
+        """N, the rows in one epoch."""
+        return len(self.dataset)
+
+    @property
+    def skipped(self) -> list[dict]:
+        """Shards left out under on_corrupt='skip' ({"shard", "problem"} each)."""
+        return self.dataset.skipped
+
+    @property
+    def steps_per_epoch(self) -> float:
+        """N / G (an epoch may end inside a global batch)."""
+        return self.num_rows / self.global_batch_size
+
+    @property
+    def step(self) -> int:
+        """The next global batch this loader will yield."""
+        return self._step
+
+    def batch(self, step: int) -> dict:
+        """This rank's share of global batch `step` (a pure function of seed, step and the layout)."""
+        start, end = rank_slice(self.global_batch_size, self.dp_rank, self.dp_size)
+        positions = step * self.global_batch_size + np.arange(start, end, dtype=np.int64)
+        rows, epochs = rows_at(positions, self.num_rows, self.seed)
+        tokens = self.dataset.read_rows(rows)
+        return {"tokens": torch.from_numpy(tokens.astype(np.int64)),
+                "sample_index": torch.from_numpy(positions),
+                "row_id": torch.from_numpy(self.dataset.row_ids(rows)),
+                "epoch": torch.from_numpy(epochs), "step": step}
+
+    def state_dict(self) -> dict:
+        """Where the stream stands: restoring it continues with global batch `step`."""
+        position = self._step * self.global_batch_size
+        return {"version": STATE_VERSION, "step": self._step, "epoch": position // self.num_rows,
+                "position": position, "seed": self.seed, "global_batch_size": self.global_batch_size,
+                "num_rows": self.num_rows, "dataset": self.dataset_id}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a saved state (any dp size that divides the same global batch size)."""
+        if state.get("version") != STATE_VERSION:
+            raise ResumeStateError(f"loader state version {state.get('version')} is not {STATE_VERSION}",
+                                   "resume with the data_prep version that saved it")
+        expected = {"seed": self.seed, "global_batch_size": self.global_batch_size, "num_rows": self.num_rows,
+                    "dataset": self.dataset_id}
+        wrong = {k: (state.get(k), v) for k, v in expected.items() if state.get(k) != v}
+        if wrong:
+            detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in wrong.items())
+            raise ResumeStateError(f"the saved loader state does not fit this loader ({detail})",
+                                   "resume with the same shards, seed and global batch size (dp may change)")
+        self._step = int(state["step"])
+
+    def __iter__(self):
+        """Yield batches from `step` on, forever; `state_dict()` always reflects the batches already yielded."""
+        if self.prefetch <= 0:
+            while True:
+                batch = self.batch(self._step)
+                self._step += 1
+                yield batch
+        yield from self._prefetched(self._step)
+
+    def _prefetched(self, first_step: int):
+        """Batches made by a background thread, at most `prefetch` ahead of the consumer."""
+        ready: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        stop = threading.Event()
+        worker = threading.Thread(target=self._produce, args=(first_step, ready, stop), daemon=True,
+                                  name="data_prep-prefetch")
+        worker.start()
+        try:
+            while True:
+                step, batch, error = ready.get()
+                if error is not None:
+                    raise error
+                self._step = step + 1
+                yield batch
+        finally:
+            stop.set()
+            while worker.is_alive():
+                try:
+                    ready.get(timeout=0.05)
+                except queue.Empty:
+                    pass
+            worker.join()
+
+    def _produce(self, step: int, ready: queue.Queue, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                item = (step, self.batch(step), None)
+            except Exception as err:  # handed to the consumer, which raises it
+                item = (step, None, err)
+            while not stop.is_set():
+                try:
+                    ready.put(item, timeout=0.05)
+                    break
+                except queue.Full:
+                    continue
+            if item[2] is not None:
+                return
+            step += 1
+
+
+def validation_batches(shard_dir, global_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
+                       split: str = "val", verify: str = "fast", on_corrupt: str = "error",
+                       drop_last: bool = False, tokenizer_hash: str | None = None):
+    """The validation rows in fixed order (row 0, 1, ...), global batches of G, rank r taking its contiguous share.
+
+    Batches carry "tokens", "sample_index" (position in the split, -1 for padding), "row_id" (-1 for padding) and
+    "valid" (BoolTensor). The last global batch is padded with PAD rows (valid False) unless drop_last, so every
+    rank gets the same number of batches of the same shape.
+    """
+    _check_layout(global_batch_size, dp_rank, dp_size)
+    dataset = ShardDataset(shard_dir, split, verify, on_corrupt, tokenizer_hash)
+    start, end = rank_slice(global_batch_size, dp_rank, dp_size)
+    total = len(dataset)
+    n_batches = total // global_batch_size if drop_last else -(-total // global_batch_size)
+    for step in range(n_batches):
+        positions = step * global_batch_size + np.arange(start, end, dtype=np.int64)
+        valid = positions < total
+        tokens = np.full((len(positions), dataset.row_len), dataset.pad_id, dtype=np.int64)
+        row_ids = np.full(len(positions), -1, dtype=np.int64)
+        if valid.any():
+            tokens[valid] = dataset.read_rows(positions[valid])
+            row_ids[valid] = dataset.row_ids(positions[valid])
+        yield {"tokens": torch.from_numpy(tokens), "sample_index": torch.from_numpy(np.where(valid, positions, -1)),
+               "row_id": torch.from_numpy(row_ids), "valid": torch.from_numpy(valid), "step": step}

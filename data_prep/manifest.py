@@ -1,0 +1,113 @@
+"""manifest.json of a shard directory: reading, writing, checksum verification, tokenizer matching.
+
+The manifest is written last, after every shard is closed, so a directory with a manifest is complete. Its main
+fields: format/format_version, seq_len, row_len, dtype, tokenizer {hash, vocab_size, bos_id, eos_id, pad_id,
+encoder}, parameters (the creation options that shape the output), splits {train, val: rows, tokens, documents,
+shards [{name, rows, first_row, size, sha256}]}, sources [{path, size, sha256, split, tokens, replaced_bytes,
+skipped}], counts (files, skipped files by reason, replaced bytes).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from .errors import CorruptShardError, DataPrepError, TokenizerMismatchError
+
+MANIFEST_FILE = "manifest.json"
+FORMAT = "megaloop-data_prep-shards"
+FORMAT_VERSION = 1
+VERIFY_MODES = ("full", "fast", "none")
+HASH_CHUNK = 1 << 22
+
+
+def write_manifest(out_dir, manifest: dict) -> Path:
+    """Write manifest.json (sorted keys, fixed layout, so equal content gives equal bytes)."""
+    path = Path(out_dir) / MANIFEST_FILE
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def read_manifest(shard_dir) -> dict:
+    """Parse and sanity-check the manifest of a shard directory."""
+    path = Path(shard_dir) / MANIFEST_FILE
+    if not path.is_file():
+        raise DataPrepError(f"{shard_dir} has no {MANIFEST_FILE}",
+                            "pass a directory written by `python -m data_prep shards` (the manifest is written last; "
+                            "a directory without one is incomplete: run the command again)")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise DataPrepError(f"{path} is not valid JSON ({err})", "re-create the shards") from err
+    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+        raise DataPrepError(f"{path} is not a data_prep manifest of version {FORMAT_VERSION}",
+                            "re-create the shards with this version of data_prep")
+    return manifest
+
+
+def manifest_fingerprint(manifest: dict) -> str:
+    """A short stable id of a dataset: sha256 of the shard checksums and the row layout."""
+    key = {"row_len": manifest["row_len"], "dtype": manifest["dtype"],
+           "shards": {s: [(x["name"], x["sha256"]) for x in manifest["splits"][s]["shards"]]
+                      for s in sorted(manifest["splits"])}}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def file_sha256(path) -> str:
+    """sha256 of a file, read in 4 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(HASH_CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def shard_problem(shard_dir, entry: dict, mode: str) -> str | None:
+    """What is wrong with one shard under a verification mode ("full": sha256, "fast": size, "none"), or None."""
+    if mode not in VERIFY_MODES:
+        raise DataPrepError(f"unknown verification mode {mode!r}", f"use one of {VERIFY_MODES}")
+    if mode == "none":
+        return None
+    path = Path(shard_dir) / entry["name"]
+    if not path.is_file():
+        return "file is missing"
+    size = path.stat().st_size
+    if size != entry["size"]:
+        kind = "truncated" if size < entry["size"] else "longer than recorded"
+        return f"{kind}: {size} bytes, the manifest records {entry['size']}"
+    if mode == "full":
+        actual = file_sha256(path)
+        if actual != entry["sha256"]:
+            return f"checksum mismatch: sha256 {actual[:16]}..., the manifest records {entry['sha256'][:16]}..."
+    return None
+
+
+def verify_shards(shard_dir, manifest: dict, mode: str = "full", splits=None) -> dict[str, str]:
+    """{shard name: problem} for every shard of `splits` (default all) that fails verification."""
+    problems = {}
+    for split in splits or sorted(manifest["splits"]):
+        for entry in manifest["splits"][split]["shards"]:
+            problem = shard_problem(shard_dir, entry, mode)
+            if problem:
+                problems[entry["name"]] = problem
+    return problems
+
+
+def corrupt_shard_error(shard: str, problem: str) -> CorruptShardError:
+    """The error raised for a shard that fails verification, with what to do."""
+    return CorruptShardError(shard, problem,
+                             "restore the file or re-create the shards with `python -m data_prep shards`; "
+                             "to train without it, use on_corrupt='skip' (skipped shards are counted)")
+
+
+def check_tokenizer_hash(manifest: dict, tokenizer_hash: str, source: str = "the given tokenizer") -> None:
+    """Raise TokenizerMismatchError when `tokenizer_hash` is not the one the shards were made with."""
+    recorded = manifest["tokenizer"]["hash"]
+    if tokenizer_hash != recorded:
+        raise TokenizerMismatchError(
+            f"the shards were made with tokenizer {recorded[:16]}..., but {source} has hash {tokenizer_hash[:16]}...",
+            "use the tokenizer the shards were made with (a copy is in SHARD_DIR/tokenizer), "
+            "or re-create the shards with this tokenizer")

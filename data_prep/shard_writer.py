@@ -1,0 +1,171 @@
+"""Packing token streams into rows and writing them as deterministic webdataset tar shards.
+
+A split's documents become one stream  BOS d0 EOS BOS d1 EOS ...  cut into consecutive, non-overlapping rows of
+row_len = seq_len + 1 tokens (documents span rows freely). Only the final, incomplete row could need padding: it is
+dropped by default, or padded with PAD when asked to keep it.
+
+Each row is one tar member named `{row:010d}.npy` (row = index of the row within its split), holding a 1-D .npy
+array (uint16 when every id fits, else uint32), exactly what `numpy.save` writes. Tar headers are fixed (mtime 0,
+uid/gid 0, empty user/group names, mode 0644, ustar format) so equal rows always give byte-identical shards.
+Shards are named `{split}-{number:06d}.tar` and hold `rows_per_shard` rows (the last one fewer).
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+BLOCK = 512
+RECORD = 20 * BLOCK
+MEMBER_NAME_DIGITS = 10
+
+
+def member_name(row: int) -> str:
+    """Tar member name of a row."""
+    return f"{row:0{MEMBER_NAME_DIGITS}d}.npy"
+
+
+def shard_name(split: str, number: int) -> str:
+    """File name of a shard."""
+    return f"{split}-{number:06d}.tar"
+
+
+def npy_header(dtype, length: int) -> bytes:
+    """The header numpy.save writes for a 1-D C-ordered array of `length` elements of `dtype`."""
+    buffer = io.BytesIO()
+    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": (length,)}
+    np.lib.format.write_array_header_1_0(buffer, header)
+    return buffer.getvalue()
+
+
+def tar_header(name: str, size: int) -> bytes:
+    """A ustar header block with fixed metadata."""
+    info = tarfile.TarInfo(name)
+    info.size = size
+    info.mtime = 0
+    info.mode = 0o644
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    info.type = tarfile.REGTYPE
+    return info.tobuf(format=tarfile.USTAR_FORMAT, encoding="utf-8", errors="strict")
+
+
+class TarFileWriter:
+    """Writes one tar archive member by member, hashing the bytes as they go."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._file = open(path, "wb")
+        self._sha = hashlib.sha256()
+        self.size = 0
+
+    def _write(self, data: bytes) -> None:
+        self._file.write(data)
+        self._sha.update(data)
+        self.size += len(data)
+
+    def add(self, name: str, payload: bytes) -> None:
+        """Append a regular file member."""
+        self._write(tar_header(name, len(payload)))
+        self._write(payload)
+        remainder = len(payload) % BLOCK
+        if remainder:
+            self._write(b"\0" * (BLOCK - remainder))
+
+    def close(self) -> tuple[int, str]:
+        """Write the end-of-archive blocks, pad to a whole record; returns (size in bytes, sha256 hex)."""
+        self._write(b"\0" * (2 * BLOCK))
+        remainder = self.size % RECORD
+        if remainder:
+            self._write(b"\0" * (RECORD - remainder))
+        self._file.close()
+        return self.size, self._sha.hexdigest()
+
+
+@dataclass
+class SplitShardWriter:
+    """Rolls rows of one split into shards of `rows_per_shard` rows each."""
+
+    out_dir: Path
+    split: str
+    rows_per_shard: int
+    row_len: int
+    dtype: type
+    shards: list = field(default_factory=list)
+    rows_written: int = 0
+    _current: TarFileWriter | None = None
+    _rows_in_current: int = 0
+    _first_row: int = 0
+
+    def __post_init__(self):
+        self._header = npy_header(self.dtype, self.row_len)
+
+    def add_rows(self, rows: np.ndarray) -> None:
+        """Append rows (a [n, row_len] array of `dtype`)."""
+        rows = np.ascontiguousarray(rows, dtype=self.dtype)
+        for row in rows:
+            if self._current is None:
+                path = Path(self.out_dir) / shard_name(self.split, len(self.shards))
+                self._current, self._rows_in_current, self._first_row = TarFileWriter(path), 0, self.rows_written
+            self._current.add(member_name(self.rows_written), self._header + row.tobytes())
+            self.rows_written += 1
+            self._rows_in_current += 1
+            if self._rows_in_current == self.rows_per_shard:
+                self._close_current()
+
+    def _close_current(self) -> None:
+        size, digest = self._current.close()
+        self.shards.append({"name": self._current.path.name, "rows": self._rows_in_current,
+                            "first_row": self._first_row, "size": size, "sha256": digest})
+        self._current = None
+
+    def close(self) -> list[dict]:
+        """Finish the last shard; returns one dict per shard (name, rows, first_row, size, sha256)."""
+        if self._current is not None:
+            self._close_current()
+        return self.shards
+
+
+@dataclass
+class RowPacker:
+    """Joins documents as BOS doc EOS into one stream and hands out complete rows of `row_len` tokens."""
+
+    row_len: int
+    bos_id: int
+    eos_id: int
+    pad_id: int
+    dtype: type
+    stream_tokens: int = 0
+    documents: int = 0
+    _carry: np.ndarray = None
+
+    def __post_init__(self):
+        self._carry = np.empty(0, dtype=self.dtype)
+
+    def add_document(self, tokens: np.ndarray) -> np.ndarray:
+        """Add one document's tokens (without BOS/EOS); returns the rows it completed, shape [n, row_len]."""
+        framed = np.empty(len(self._carry) + len(tokens) + 2, dtype=self.dtype)
+        framed[:len(self._carry)] = self._carry
+        framed[len(self._carry)] = self.bos_id
+        framed[len(self._carry) + 1:-1] = tokens
+        framed[-1] = self.eos_id
+        self.stream_tokens += len(tokens) + 2
+        self.documents += 1
+        full = len(framed) // self.row_len
+        self._carry = framed[full * self.row_len:].copy()
+        return framed[:full * self.row_len].reshape(full, self.row_len)
+
+    def finish(self, keep_partial: bool) -> tuple[np.ndarray, int, int]:
+        """The last incomplete row: (rows [0 or 1, row_len], padded tokens, dropped tokens)."""
+        tail = len(self._carry)
+        if tail == 0:
+            return np.empty((0, self.row_len), dtype=self.dtype), 0, 0
+        if not keep_partial:
+            return np.empty((0, self.row_len), dtype=self.dtype), 0, tail
+        row = np.full((1, self.row_len), self.pad_id, dtype=self.dtype)
+        row[0, :tail] = self._carry
+        return row, self.row_len - tail, 0
