@@ -31,10 +31,16 @@ def validation_losses(model, batches: list[dict], depths: list[int], seed: int, 
         loss_sum, tokens = 0.0, 0
         for batch in batches:
             mb = batch["tokens"].to(device)
+            labels = mb[:, 1:].clone()
+            valid = batch.get("valid")
+            if valid is not None:  # padding rows of the last validation batch
+                labels[~valid.to(device)] = -100
             with autocast_for(precision, device):
-                out = model(mb[:, :-1], labels=mb[:, 1:], depth=depth,
-                            noise_key=(seed, VAL_NOISE_STEP, batch["sample_index"]))
-            n = mb.shape[0] * (mb.shape[1] - 1)
+                out = model(mb[:, :-1], labels=labels, depth=depth,
+                            noise_key=(seed, VAL_NOISE_STEP, batch["sample_index"].clamp(min=0)))
+            n = int((labels != -100).sum())
+            if n == 0:
+                continue
             loss_sum += float(out.loss) * n
             tokens += n
         loss_sum, tokens = runtime.sum_over_dp(loss_sum), int(runtime.sum_over_dp(float(tokens)))

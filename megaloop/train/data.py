@@ -1,0 +1,56 @@
+"""The trainer's view of the data: this rank's share of each global batch and the validation batches, from a
+shard directory written by `python -m data_prep shards` (data_prep.loader does the work)."""
+from __future__ import annotations
+
+import itertools
+
+from megaloop.config import Config, ConfigError
+
+
+class ShardData:
+    def __init__(self, cfg: Config, dp_rank: int, dp_size: int):
+        from data_prep.loader import ShardLoader
+        from data_prep.manifest import read_manifest
+
+        d = cfg.data
+        self.cfg, self.dp_rank, self.dp_size = cfg, dp_rank, dp_size
+        self.manifest = read_manifest(d.shards)
+        self.loader = ShardLoader(d.shards, d.global_batch_size, dp_rank, dp_size, seed=cfg.train.seed,
+                                  verify=d.verify, on_corrupt=d.on_corrupt, prefetch=d.prefetch)
+        self.bytes_per_token = _bytes_per_token(self.manifest, "val")
+        self._val = None
+
+    def train_batches(self):
+        return iter(self.loader)
+
+    def val_batches(self) -> list[dict]:
+        """Up to data.val_batches global batches of micro_batch_size x dp rows; padding rows get label -100."""
+        if self._val is None:
+            from data_prep.loader import validation_batches
+
+            d = self.cfg.data
+            batches = validation_batches(d.shards, d.micro_batch_size * self.dp_size, self.dp_rank, self.dp_size,
+                                         verify="none", on_corrupt=d.on_corrupt)
+            self._val = list(itertools.islice(batches, d.val_batches))
+        return self._val
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def close(self) -> None:
+        close = getattr(self.loader, "close", None)
+        if close is not None:
+            close()
+
+
+def _bytes_per_token(manifest: dict, split: str) -> float | None:
+    sources = [s for s in manifest.get("sources", []) if s.get("split") == split and s.get("tokens")]
+    tokens = sum(s["tokens"] for s in sources)
+    return sum(s["size"] for s in sources) / tokens if tokens else None
+
+
+def open_data(cfg: Config, dp_rank: int, dp_size: int) -> ShardData:
+    if cfg.data.shards is None:
+        raise ConfigError("data.shards", None, "set it to a directory written by `python -m data_prep shards` "
+                          "(e.g. --set data.shards=runs/quickstart/shards)")
+    return ShardData(cfg, dp_rank, dp_size)
