@@ -1,0 +1,272 @@
+"""The parallel layout: how the ranks of a job split into tensor- (tp), data- (dp) and pipeline-parallel (pp) groups.
+
+Rank order is Megatron's: tp fastest, then dp, then pp, so
+
+    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+
+and the tp ranks of one model replica sit next to each other (on one node when tp <= GPUs per node). Everything a
+parallel mechanism needs (its groups, the ranks in them, the device) lives in one :class:`ParallelLayout` object that
+is passed to whoever needs it; nothing here keeps global state besides torch.distributed's default group.
+
+Sizes are validated by :func:`validate_layout` BEFORE any process group exists, and a bad size fails with a message
+listing the sizes that would work. A single-process job (world size 1) creates no process group at all.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot work; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in the job, read from torchrun's or Slurm's environment variables."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    launcher: str  # "torchrun" | "slurm" | "single"
+
+
+def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
+    """torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) first, then Slurm (SLURM_PROCID, SLURM_NTASKS,
+    SLURM_LOCALID), else a single process. Under Slurm MASTER_ADDR defaults to 127.0.0.1 (set it to the first node's
+    address for multi-node jobs) and MASTER_PORT to 29500."""
+    env = os.environ if environ is None else environ
+    addr = env.get("MASTER_ADDR", "127.0.0.1")
+    port = int(env.get("MASTER_PORT", "29500"))
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        return LaunchEnv(rank, world, int(env.get("LOCAL_RANK", rank)), addr, port, "torchrun")
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+        return LaunchEnv(rank, world, int(env.get("SLURM_LOCALID", 0)), addr, port, "slurm")
+    return LaunchEnv(0, 1, 0, addr, port, "single")
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The model sizes that tensor parallelism must divide (plain ints, so pipeline needs no model config)."""
+
+    n_heads: int
+    kv_heads: int
+    vocab_size: int  # the (padded) vocabulary of the embedding and the tied head
+    seq_len: int | None = None  # checked against tp when sequence parallelism is on
+
+
+@dataclass(frozen=True)
+class BatchDims:
+    """Rows per optimizer step and per micro-batch (per data-parallel rank)."""
+
+    global_batch: int
+    micro_batch: int
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _valid_tp(world: int, pp: int, model: ModelDims | None, seq_parallel: bool) -> list[int]:
+    """tp values that divide the world (with this pp) and every size tp has to split."""
+    out = []
+    for tp in _divisors(max(world // pp, 1)):
+        if model is not None:
+            needed = [model.n_heads, model.kv_heads, model.vocab_size]
+            if seq_parallel and tp > 1 and model.seq_len:
+                needed.append(model.seq_len)
+            if any(n % tp for n in needed):
+                continue
+        out.append(tp)
+    return out
+
+
+def _check_model_split(tp: int, model: ModelDims, seq_parallel: bool, valid: list[int]) -> None:
+    for label, size in (("n_heads", model.n_heads), ("kv heads", model.kv_heads),
+                        ("padded vocabulary", model.vocab_size)):
+        if size % tp:
+            raise LayoutError(f"parallel.tp={tp} does not divide the model's {label} ({size}); tensor parallelism "
+                              f"splits it evenly. tp values that work with this model and world size: {valid}")
+    if seq_parallel and tp > 1 and model.seq_len and model.seq_len % tp:
+        raise LayoutError(f"sequence parallelism splits model.seq_len={model.seq_len} over tp={tp}, which does not "
+                          f"divide it; use one of tp {valid} or set parallel.sequence_parallel=false")
+
+
+def _check_batch(dp: int, batch: BatchDims, world: int, tp: int, pp: int) -> None:
+    rows_per_rank = batch.global_batch / dp
+    if batch.global_batch % dp or (batch.global_batch // dp) % batch.micro_batch:
+        working = [d for d in _divisors(world // (tp * pp)) if batch.global_batch % (d * batch.micro_batch) == 0]
+        raise LayoutError(
+            f"data parallelism over dp={dp} ranks gives {rows_per_rank:g} rows of the global batch "
+            f"({batch.global_batch}) per rank, which is not a whole number of micro-batches of "
+            f"{batch.micro_batch}; dp values that work: {working or 'none'} (or change data.global_batch_size to a "
+            f"multiple of {dp * batch.micro_batch})")
+
+
+def validate_layout(world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None,
+                    model: ModelDims | None = None, batch: BatchDims | None = None,
+                    sequence_parallel: bool | None = None) -> tuple[int, int, int]:
+    """Check the sizes and return (tp, pp, dp). Touches no process group; raise LayoutError listing working sizes.
+
+    dp defaults to world_size / (tp * pp). Checks: positive sizes; tp * pp divides the world; tp * pp * dp equals
+    it; tp divides n_heads, kv heads, the padded vocabulary (and seq_len under sequence parallelism); the global
+    batch splits into whole micro-batches on every dp rank."""
+    for name, value in (("world size", world_size), ("tp", tp), ("pp", pp)):
+        if value < 1:
+            raise LayoutError(f"{name} must be >= 1, got {value}")
+    seq_parallel = tp > 1 if sequence_parallel is None else sequence_parallel
+    if world_size % (tp * pp):
+        valid = [(t, p) for t in _divisors(world_size) for p in _divisors(world_size // t)]
+        raise LayoutError(f"the world size {world_size} is not a multiple of tp x pp = {tp} x {pp}; (tp, pp) pairs "
+                          f"that work: {valid}; valid tp for pp={pp}: {_valid_tp(world_size, pp, model, False)}")
+    dp = world_size // (tp * pp) if dp is None else dp
+    if tp * pp * dp != world_size:
+        raise LayoutError(f"tp x pp x dp = {tp} x {pp} x {dp} = {tp * pp * dp} but the job has {world_size} "
+                          f"processes; leave dp unset (it becomes {world_size // (tp * pp)}) or change it")
+    if model is not None:
+        _check_model_split(tp, model, seq_parallel, _valid_tp(world_size, pp, model, seq_parallel))
+    if batch is not None:
+        _check_batch(dp, batch, world_size, tp, pp)
+    return tp, pp, dp
+
+
+def rank_coords(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
+    """(tp_rank, dp_rank, pp_rank) of a global rank in Megatron's order (tp fastest, then dp, then pp)."""
+    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+
+
+def global_rank(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int:
+    return tp_rank + tp * (dp_rank + dp * pp_rank)
+
+
+def group_ranks(tp: int, dp: int, pp: int) -> dict[str, list[list[int]]]:
+    """Every group of each kind as lists of global ranks: {"tp": [...], "dp": [...], "pp": [...]}."""
+    tp_groups = [[global_rank(t, d, p, tp, dp) for t in range(tp)] for p in range(pp) for d in range(dp)]
+    dp_groups = [[global_rank(t, d, p, tp, dp) for d in range(dp)] for p in range(pp) for t in range(tp)]
+    pp_groups = [[global_rank(t, d, p, tp, dp) for p in range(pp)] for d in range(dp) for t in range(tp)]
+    return {"tp": tp_groups, "dp": dp_groups, "pp": pp_groups}
+
+
+@dataclass
+class ParallelLayout:
+    """This rank's place in the (pp, dp, tp) grid, its process groups and its device.
+
+    A group is None when its size is 1 (no communication is ever needed there); collectives in pipeline treat
+    None as "nothing to do". `*_ranks` hold the global ranks of this rank's groups, in group-rank order."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    tp: int = 1
+    dp: int = 1
+    pp: int = 1
+    sequence_parallel: bool = False
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    backend: str | None = None
+    tp_group: dist.ProcessGroup | None = None
+    dp_group: dist.ProcessGroup | None = None
+    pp_group: dist.ProcessGroup | None = None
+    tp_ranks: tuple[int, ...] = (0,)
+    dp_ranks: tuple[int, ...] = (0,)
+    pp_ranks: tuple[int, ...] = (0,)
+
+    @property
+    def tp_rank(self) -> int:
+        return rank_coords(self.rank, self.tp, self.dp)[0]
+
+    @property
+    def dp_rank(self) -> int:
+        return rank_coords(self.rank, self.tp, self.dp)[1]
+
+    @property
+    def pp_rank(self) -> int:
+        return rank_coords(self.rank, self.tp, self.dp)[2]
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp} dp {self.dp_rank}/{self.dp} "
+                f"pp {self.pp_rank}/{self.pp}, sequence_parallel={self.sequence_parallel}, device={self.device}, "
+                f"backend={self.backend}")
+
+
+def single_process_layout(device: str | torch.device = "cpu") -> ParallelLayout:
+    """The layout of a one-process job: no process group."""
+    return ParallelLayout(device=torch.device(device))
+
+
+def choose_device(local_rank: int, device: str = "auto") -> torch.device:
+    """cuda:<local_rank> when CUDA is there (or asked for), else cpu."""
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise LayoutError("train.device=cuda but CUDA is not available on this machine; use auto or cpu")
+    torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def choose_backend(device: torch.device, backend: str = "auto") -> str:
+    """NCCL for CUDA devices, gloo for CPU, unless given."""
+    if backend != "auto":
+        if backend == "nccl" and device.type != "cuda":
+            raise LayoutError("parallel.backend=nccl needs CUDA devices; on CPU use auto or gloo")
+        return backend
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_layout(tp: int = 1, pp: int = 1, dp: int | None = None, model: ModelDims | None = None,
+                batch: BatchDims | None = None, sequence_parallel: bool | None = None, device: str = "auto",
+                backend: str = "auto", environ: Mapping[str, str] | None = None,
+                timeout_s: float = 1800.0) -> ParallelLayout:
+    """Validate the sizes for this job's world size, then (only if the world has more than one process) start
+    torch.distributed (unless already started) and create every tp, dp and pp group. Returns this rank's layout.
+
+    Every rank must call this with the same sizes (group creation is collective). When torch.distributed is already
+    initialised its world is used, so several layouts can be built in turn inside one job (tests do)."""
+    launch = read_launch_env(environ)
+    world = dist.get_world_size() if dist.is_initialized() else launch.world_size
+    rank = dist.get_rank() if dist.is_initialized() else launch.rank
+    tp, pp, dp = validate_layout(world, tp, pp, dp, model, batch, sequence_parallel)
+    seq_parallel = (tp > 1) if sequence_parallel is None else bool(sequence_parallel and tp > 1)
+    dev = choose_device(launch.local_rank, device)
+    if world == 1:
+        return ParallelLayout(device=dev, sequence_parallel=False)
+    chosen_backend = choose_backend(dev, backend)
+    if not dist.is_initialized():
+        dist.init_process_group(chosen_backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+                                rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    groups = _create_groups(rank, tp, dp, pp)
+    return ParallelLayout(rank=rank, world_size=world, local_rank=launch.local_rank, tp=tp, dp=dp, pp=pp,
+                          sequence_parallel=seq_parallel, device=dev, backend=dist.get_backend(), **groups)
+
+
+def _create_groups(rank: int, tp: int, dp: int, pp: int) -> dict:
+    """new_group for every group of every kind (collective: all ranks create all groups in the same order);
+    keep this rank's. Size-1 groups are not created."""
+    out: dict = {}
+    for kind, size in (("tp", tp), ("dp", dp), ("pp", pp)):
+        mine: Sequence[int] = (rank,)
+        handle = None
+        for ranks in group_ranks(tp, dp, pp)[kind]:
+            group = dist.new_group(ranks) if size > 1 else None
+            if rank in ranks:
+                mine, handle = ranks, group
+        out[f"{kind}_group"], out[f"{kind}_ranks"] = handle, tuple(mine)
+    return out
+
+
+def destroy_layout() -> None:
+    """Tear torch.distributed down (end of a job or a test)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
