@@ -111,7 +111,9 @@ def run_shards(args) -> int:
         else:
             manifest = prepare_shards_mpi(args.input, args.tokenizer, args.output, options, comm)
     except BaseException as err:
-        if comm is not None and comm.Get_size() > 1:
+        if getattr(err, "collective", False) and rank != 0:
+            return 2                     # rank 0 reports the error that every rank has seen
+        if comm is not None and comm.Get_size() > 1 and not getattr(err, "collective", False):
             print(f"error on MPI rank {rank}: {err}", file=sys.stderr, flush=True)
             comm.Abort(2)
         raise

@@ -69,6 +69,7 @@ class ShardLoader:
         self.seed, self.prefetch = seed, prefetch
         self.dataset_id = manifest_fingerprint(self.dataset.manifest) + f"/{split}/{len(self.dataset)}"
         self._step = 0
+        self._active = None
 
     @property
     def num_rows(self) -> int:
@@ -129,7 +130,16 @@ class ShardLoader:
                 batch = self.batch(self._step)
                 self._step += 1
                 yield batch
-        yield from self._prefetched(self._step)
+        self.close()
+        self._active = self._prefetched(self._step)
+        yield from self._active
+
+    def close(self) -> None:
+        """Stop the prefetch thread of the running iteration (if any) and release the memory maps."""
+        if self._active is not None:
+            self._active.close()
+            self._active = None
+        self.dataset.close()
 
     def _prefetched(self, first_step: int):
         """Batches made by a background thread, at most `prefetch` ahead of the consumer."""

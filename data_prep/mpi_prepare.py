@@ -102,9 +102,12 @@ def prepare_shards_mpi(input_dir, tokenizer_dir, output_dir, options: ShardOptio
             failure = err
     plan = comm.bcast(plan if failure is None else None, root=0)
     if failure is not None:
+        failure.collective = True   # every rank knows: exit cleanly, no MPI_Abort needed
         raise failure
     if plan is None:
-        raise DataPrepError("rank 0 could not plan the job (its error is printed above)", "fix the cause and re-run")
+        error = DataPrepError("rank 0 could not plan the job (its error is printed by rank 0)", "fix the cause")
+        error.collective = True
+        raise error
     blocks = _rank_blocks(plan, size)
     if rank != 0:
         _encode_and_send(comm, plan, blocks[rank], tokenizer_dir, options)

@@ -176,6 +176,11 @@ class ShardDataset:
                                            self.manifest["tokenizer"]["vocab_size"])
         return self._open[number]
 
+    def close(self) -> None:
+        """Forget the open memory maps (they are unmapped once no array refers to them); reopened on demand."""
+        if self.on_corrupt == "error":
+            self._open.clear()
+
     def __len__(self) -> int:
         return int(self._starts[-1])
 

@@ -54,6 +54,32 @@ def tar_header(name: str, size: int) -> bytes:
     return info.tobuf(format=tarfile.USTAR_FORMAT, encoding="utf-8", errors="strict")
 
 
+class MemberHeaders:
+    """tar_header() for many members of one size, fast: a template with only the name and checksum filled in.
+
+    The ustar checksum is the byte sum of the header with its checksum field read as spaces, so it is the
+    template's sum plus the name's bytes.
+    """
+
+    NAME_FIELD = slice(0, 100)
+    CHECKSUM_FIELD = slice(148, 156)
+
+    def __init__(self, size: int):
+        template = bytearray(tar_header("x", size))
+        template[self.NAME_FIELD] = bytes(100)
+        template[self.CHECKSUM_FIELD] = b" " * 8
+        self._template, self._base_sum = bytes(template), sum(template)
+
+    def __call__(self, name: str) -> bytes:
+        encoded = name.encode("utf-8")
+        if len(encoded) > 100:
+            raise ValueError(f"member name {name!r} is longer than 100 bytes")
+        header = bytearray(self._template)
+        header[:len(encoded)] = encoded
+        header[self.CHECKSUM_FIELD] = b"%06o\0 " % (self._base_sum + sum(encoded))
+        return bytes(header)
+
+
 class TarFileWriter:
     """Writes one tar archive member by member, hashing the bytes as they go."""
 
@@ -62,6 +88,7 @@ class TarFileWriter:
         self._file = open(path, "wb")
         self._sha = hashlib.sha256()
         self.size = 0
+        self._headers: dict[int, MemberHeaders] = {}
 
     def _write(self, data: bytes) -> None:
         self._file.write(data)
@@ -70,7 +97,9 @@ class TarFileWriter:
 
     def add(self, name: str, payload: bytes) -> None:
         """Append a regular file member."""
-        self._write(tar_header(name, len(payload)))
+        if len(payload) not in self._headers:
+            self._headers[len(payload)] = MemberHeaders(len(payload))
+        self._write(self._headers[len(payload)](name))
         self._write(payload)
         remainder = len(payload) % BLOCK
         if remainder:

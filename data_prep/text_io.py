@@ -15,6 +15,7 @@ import codecs
 import fnmatch
 import hashlib
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,31 +83,28 @@ def probe_skip_reason(path: str | os.PathLike, size: int) -> str | None:
     return SKIP_BINARY if b"\x00" in head else None
 
 
-def decode_utf8_counting(data: bytes) -> tuple[str, int]:
-    """Decode UTF-8, replacing each invalid byte sequence by U+FFFD; returns (text, number of bytes replaced).
+_REPLACED = threading.local()
+COUNTING_ERROR_HANDLER = "data_prep.count_and_replace"
 
-    Decoding restarts after each invalid sequence on a memoryview, so the cost stays linear in the input.
-    """
+
+def _count_and_replace(err: UnicodeDecodeError):
+    """Codec error handler: like "replace" (one U+FFFD per invalid sequence), counting the bytes replaced."""
+    _REPLACED.count += err.end - err.start
+    return "\ufffd", err.end
+
+
+codecs.register_error(COUNTING_ERROR_HANDLER, _count_and_replace)
+
+
+def decode_utf8_counting(data: bytes) -> tuple[str, int]:
+    """Decode UTF-8, replacing each invalid byte sequence by U+FFFD; returns (text, number of bytes replaced)."""
     try:
         return data.decode("utf-8"), 0
     except UnicodeDecodeError:
         pass
-    view = memoryview(data)
-    parts: list[str] = []
-    replaced = 0
-    pos = 0
-    while pos < len(view):
-        try:
-            text, _ = codecs.utf_8_decode(view[pos:], "strict", True)
-            parts.append(text)
-            break
-        except UnicodeDecodeError as err:
-            good, _ = codecs.utf_8_decode(view[pos:pos + err.start], "strict", True)
-            parts.append(good)
-            parts.append("\ufffd")
-            replaced += err.end - err.start
-            pos += err.end
-    return "".join(parts), replaced
+    _REPLACED.count = 0
+    text = data.decode("utf-8", errors=COUNTING_ERROR_HANDLER)
+    return text, _REPLACED.count
 
 
 def normalise_text(data: bytes) -> tuple[str, int]:
