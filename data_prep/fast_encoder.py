@@ -59,5 +59,6 @@ def first_disagreement(hf_encode, fast_encode, texts) -> str | None:
         fast_ids = list(fast_encode(text))
         if hf_ids != fast_ids:
             at = next((i for i, (a, b) in enumerate(zip(hf_ids, fast_ids)) if a != b), min(len(hf_ids), len(fast_ids)))
-            return f"sample text {number}: ids differ at position {at} (HF {hf_ids[at:at + 4]}, fast {fast_ids[at:at + 4]})"
+            return (f"sample text {number}: ids differ at position {at} "
+                    f"(HF {hf_ids[at:at + 4]}, fast {fast_ids[at:at + 4]})")
     return None

@@ -11,7 +11,7 @@ Each batch is a dict:
     sample_index  LongTensor [G/dp]                run-wide global sample index s*G + j (j in 0..G-1)
     row_id        LongTensor [G/dp]                the row's id in the manifest (shard first_row + member)
     epoch         LongTensor [G/dp]                the epoch each sample belongs to
-    step          int                              s
+    step          LongTensor []                    s
 
 State: {"version", "step", "epoch", "position", "seed", "global_batch_size", "num_rows", "dataset"} where step is
 the next global batch to yield. Restoring it, under any dp that divides G, continues the identical stream.
@@ -100,7 +100,7 @@ class ShardLoader:
         return {"tokens": torch.from_numpy(tokens.astype(np.int64)),
                 "sample_index": torch.from_numpy(positions),
                 "row_id": torch.from_numpy(self.dataset.row_ids(rows)),
-                "epoch": torch.from_numpy(epochs), "step": step}
+                "epoch": torch.from_numpy(epochs), "step": torch.tensor(step)}
 
     def state_dict(self) -> dict:
         """Where the stream stands: restoring it continues with global batch `step`."""
@@ -130,15 +130,18 @@ class ShardLoader:
                 batch = self.batch(self._step)
                 self._step += 1
                 yield batch
-        self.close()
+        self._stop_prefetch()
         self._active = self._prefetched(self._step)
         yield from self._active
 
-    def close(self) -> None:
-        """Stop the prefetch thread of the running iteration (if any) and release the memory maps."""
+    def _stop_prefetch(self) -> None:
         if self._active is not None:
             self._active.close()
             self._active = None
+
+    def close(self) -> None:
+        """Stop the prefetch thread of the running iteration (if any) and release the memory maps."""
+        self._stop_prefetch()
         self.dataset.close()
 
     def _prefetched(self, first_step: int):
@@ -204,4 +207,4 @@ def validation_batches(shard_dir, global_batch_size: int, dp_rank: int = 0, dp_s
             tokens[valid] = dataset.read_rows(positions[valid])
             row_ids[valid] = dataset.row_ids(positions[valid])
         yield {"tokens": torch.from_numpy(tokens), "sample_index": torch.from_numpy(np.where(valid, positions, -1)),
-               "row_id": torch.from_numpy(row_ids), "valid": torch.from_numpy(valid), "step": step}
+               "row_id": torch.from_numpy(row_ids), "valid": torch.from_numpy(valid), "step": torch.tensor(step)}

@@ -73,7 +73,7 @@ class TrainedTokenizer:
         self.fast = fast
         self.fast_problem = fast_problem
         self.hash: str = config["hash"]
-        self.vocab_size: int = hf.get_vocab_size()
+        self.vocab_size: int = max(hf.get_vocab().values()) + 1   # ids are 0..vocab_size-1
         self.bos_id: int = hf.token_to_id(BOS)
         self.eos_id: int = hf.token_to_id(EOS)
         self.pad_id: int = hf.token_to_id(PAD)

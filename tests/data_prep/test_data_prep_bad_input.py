@@ -116,6 +116,11 @@ def test_damaged_member_is_named_even_without_checksums(shard_copy):
     dataset = ShardDataset(shard_copy, verify="none")
     with pytest.raises(CorruptShardError, match=f"{member_name(5)}: row holds token ids >= vocab size"):
         dataset.read_rows(np.arange(8))
+    loader = ShardLoader(shard_copy, 12, prefetch=2)             # raised by the prefetch thread, seen here
+    with pytest.raises(CorruptShardError, match=f"{member_name(5)}: row holds token ids"):
+        for _ in loader:
+            pass
+    assert loader.step < loader.num_rows // 12 + 1
 
 
 def test_seq_len_that_no_document_can_fill(small_corpus, chapters_tokenizer, tmp_path):

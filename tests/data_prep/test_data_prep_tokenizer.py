@@ -10,7 +10,8 @@ import pytest
 from data_prep.errors import TokenizerError, TokenizerMismatchError
 from data_prep.fast_encoder import EDGE_CASE_SAMPLE
 from data_prep.text_io import iter_documents, list_source_files
-from data_prep.tokenizer import CONFIG_FILE, TOKENIZER_FILE, load_tokenizer, train_tokenizer
+from data_prep.tokenizer import (CONFIG_FILE, SAMPLE_FILE, TOKENIZER_FILE, load_tokenizer, tokenizer_hash,
+                                  train_tokenizer)
 
 
 def _chapter_texts(chapters_dir):
@@ -107,3 +108,48 @@ def test_hf_fallback_gives_the_same_ids(chapters_tokenizer):
     hf_only = load_tokenizer(chapters_tokenizer.directory, encoder="hf")
     assert hf_only.encoder_name == "hf"
     assert hf_only.encode(EDGE_CASE_SAMPLE) == chapters_tokenizer.encode(EDGE_CASE_SAMPLE)
+
+
+def _tokenizer_where_tiktoken_differs(source, destination):
+    """A copy whose extra merges make greedy lowest-rank merging (tiktoken) disagree with HF's merge list:
+    HF merges "~^" first and has no merge ("~^", "`"); tiktoken sees "~^`" in the vocabulary and takes it."""
+    shutil.copytree(source, destination)
+    data = json.loads((destination / TOKENIZER_FILE).read_text())
+    vocab, merges = data["model"]["vocab"], data["model"]["merges"]
+    assert not {"~^", "^`", "~^`"} & set(vocab)
+    for token, pair in [("~^", ["~", "^"]), ("^`", ["^", "`"]), ("~^`", ["~", "^`"])]:
+        vocab[token] = len(vocab)
+        merges.append(pair)
+    text = json.dumps(data)
+    (destination / TOKENIZER_FILE).write_text(text)
+    config = json.loads((destination / CONFIG_FILE).read_text())
+    config["hash"] = tokenizer_hash(text)
+    (destination / CONFIG_FILE).write_text(json.dumps(config))
+    return destination
+
+
+def test_fast_encoder_is_only_used_when_it_agrees(chapters_tokenizer, tmp_path):
+    from data_prep.prepare import ShardOptions, prepare_shards
+    from data_prep.shard_reader import ShardDataset
+
+    tok_dir = _tokenizer_where_tiktoken_differs(chapters_tokenizer.directory, tmp_path / "tok")
+    odd = "Odd glyphs ~^` in a row, twice: ~^` ok."
+    tok = load_tokenizer(tok_dir)
+    assert tok.encoder_name == "tiktoken"                    # its own samples do not contain the odd glyphs
+    assert tok.fast.encode_ordinary(odd) != tok.encode_hf(odd)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text(odd * 40)
+    manifest = prepare_shards(corpus, tok_dir, tmp_path / "shards",
+                              ShardOptions(seq_len=32, val_fraction=0.0, progress=False))
+    assert manifest["tokenizer"]["encoder"] == "hf" and "disagrees" in manifest["tokenizer"]["encoder_check"]
+    rows = ShardDataset(tmp_path / "shards")
+    stream = [tok.bos_id] + tok.encode_hf(odd * 40) + [tok.eos_id]
+    assert rows.read_rows(list(range(len(rows)))).reshape(-1).tolist() == stream[:len(rows) * 33]
+    with open(tok_dir / SAMPLE_FILE, "a", encoding="utf-8") as sample:
+        sample.write(odd)
+    reloaded = load_tokenizer(tok_dir)
+    assert reloaded.encoder_name == "hf" and "ids differ" in reloaded.fast_problem
+    assert reloaded.encode(odd) == reloaded.encode_hf(odd)
+    with pytest.raises(TokenizerError, match="fast encoder does not match HF"):
+        load_tokenizer(tok_dir, encoder="tiktoken")
