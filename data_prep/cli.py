@@ -85,6 +85,8 @@ def run_tokenizer(args) -> int:
     corpus = tok.config["training_corpus"]
     print(f"trained in {seconds:.1f} s on {corpus['files']} files ({corpus['text_bytes'] / 1e6:.1f} MB), "
           f"vocab {tok.vocab_size}, skipped {corpus['skipped']}, {corpus['replaced_bytes']} bytes replaced")
+    if tok.vocab_size < args.vocab_size:
+        print(f"note: the corpus only supported {tok.vocab_size} of the {args.vocab_size} tokens asked for")
     print(f"hash {tok.hash}\nencoder {tok.encoder_name}" + (f" ({tok.fast_problem})" if tok.fast_problem else ""))
     sample = (tok.directory / SAMPLE_FILE).read_text(encoding="utf-8")
     if sample:

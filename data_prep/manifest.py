@@ -23,10 +23,11 @@ HASH_CHUNK = 1 << 22
 
 
 def write_manifest(out_dir, manifest: dict) -> Path:
-    """Write manifest.json (sorted keys, fixed layout, so equal content gives equal bytes)."""
+    """Write manifest.json (sorted keys, fixed layout, ASCII escapes so that any file name can be stored: equal
+    content gives equal bytes)."""
     path = Path(out_dir) / MANIFEST_FILE
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True, ensure_ascii=True) + "\n", encoding="ascii")
     os.replace(tmp, path)
     return path
 

@@ -107,7 +107,8 @@ def choose_validation(relpaths: list[str], val_fraction: float) -> set[str]:
         raise DataPrepError("a validation split needs at least 2 usable documents, the input has 1",
                             "add documents or pass --val-fraction 0")
     n_val = min(max(1, round(val_fraction * count)), count - 1)
-    keyed = sorted(relpaths, key=lambda p: hashlib.sha256((VAL_SPLIT_SALT + p).encode("utf-8")).hexdigest())
+    keyed = sorted(relpaths, key=lambda p: hashlib.sha256((VAL_SPLIT_SALT + p).encode("utf-8", "surrogateescape"))
+                   .hexdigest())
     return set(keyed[:n_val])
 
 

@@ -178,8 +178,7 @@ class ShardDataset:
 
     def close(self) -> None:
         """Forget the open memory maps (they are unmapped once no array refers to them); reopened on demand."""
-        if self.on_corrupt == "error":
-            self._open.clear()
+        self._open.clear()
 
     def __len__(self) -> int:
         return int(self._starts[-1])
