@@ -25,6 +25,9 @@ from pipeline.collectives import SEQ_DIM, chunk_along
 from pipeline.tensor_parallel import TensorParallelInfo, apply_tensor_parallel
 from pipeline.vocab_parallel import vocab_parallel_cross_entropy
 
+# telemetry entries that are means over positions (see megaloop's run_loop)
+POSITION_MEAN_TELEMETRY = ("state_norm", "recurrent_residual")
+
 
 class ParallelLM:
     """A tensor-parallel view of a looped LM: call it like the model (same arguments, same output type).
@@ -61,7 +64,21 @@ class ParallelLM:
         if labels is not None:
             out.loss = vocab_parallel_cross_entropy(out.logits, labels, self.layout,
                                                     vocab_start=self.tp_info.vocab_range[0])
+        if self.tp_info.sequence_parallel:
+            self._average_position_telemetry(out.telemetry)
         return out
+
+    def _average_position_telemetry(self, telemetry: dict) -> None:
+        """Under sequence parallelism the state norms are means over this rank's positions: average them over the
+        group (equal shares), so every rank logs the single-process value."""
+        keys = [k for k in POSITION_MEAN_TELEMETRY if k in telemetry]
+        if not keys:
+            return
+        device = self.layout.device if self.layout.backend == "nccl" else "cpu"
+        values = torch.tensor([float(telemetry[k]) for k in keys], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(values, group=self._group)
+        for key, value in zip(keys, (values / self.layout.tp).cpu().tolist()):
+            telemetry[key] = value
 
     def loss_per_token(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per-token cross-entropy from (vocabulary-split) logits, 0 at ignored labels."""

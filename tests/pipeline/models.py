@@ -66,3 +66,31 @@ def grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| / max(max |b|, 1e-12): one relative error per tensor."""
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def muon_functions():
+    """megaloop's per-matrix Muon math, bundled for pipeline's distributed Muon (the trainer does the same)."""
+    from megaloop.optim import muon
+    from pipeline.dist_muon import MuonFunctions
+
+    return MuonFunctions(init_state=muon.init_muon_state, hparams=muon.MuonHParams, update=muon.muon_update,
+                         apply=muon.apply_muon_update, lr_scale=muon.muon_lr_scale)
+
+
+def optim_config(**overrides):
+    """Muon + AdamW with weight decay on both and clipping that bites (synthetic gradients have norm >> 1)."""
+    from megaloop.optim import OptimConfig
+
+    base = dict(name="muon", matrix_lr=0.02, adam_lr=0.01, adam_weight_decay=0.1, muon_weight_decay=0.2,
+                grad_clip=1.0, muon_momentum_warmup_steps=2, cooldown_fraction=0.5)
+    base.update(overrides)
+    return OptimConfig(**base).validate()
+
+
+def synthetic_grads(model: torch.nn.Module, step: int) -> dict[str, torch.Tensor]:
+    """Full-size gradients, a pure function of (parameter index, step)."""
+    out = {}
+    for index, (name, p) in enumerate(model.named_parameters()):
+        g = torch.Generator().manual_seed(10_000 * step + index)
+        out[name] = torch.randn(p.shape, generator=g)
+    return out

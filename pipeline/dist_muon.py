@@ -1,0 +1,183 @@
+"""Distributed Muon: every matrix is orthogonalised by one owner rank, whose update is then shared.
+
+Muon's step on a matrix needs the whole matrix (Polar Express, NorMuon's row/column statistics, the shape factor of
+the learning rate), so its state cannot be split by elements. Instead each matrix is owned by one rank of the
+(dp x tp) grid, matrices balanced by size (largest first, each to the least-loaded owner; the same on every rank).
+For a matrix with owner (dp_o, tp_o), per step:
+
+  1. the tp ranks of data-parallel slice dp_o gather the full gradient on tp_o (split matrices; a replicated one is
+     already whole there);
+  2. tp_o advances the matrix's momentum and second moment and computes the update (`update_fn`, megaloop's
+     per-matrix muon_update, passed in as a callable: pipeline never imports megaloop);
+  3. tp_o scatters the update's shards (or broadcasts a replicated update) to the tp ranks of slice dp_o;
+  4. slice dp_o broadcasts, per tp position, all of its owned updates in one packed buffer over the dp group;
+  5. every rank applies its shard elementwise (`apply_fn`: cautious weight decay + learning rate times the shape
+     factor of the FULL matrix).
+
+Optimizer state lives only on owners, so per rank it is the total over (dp x tp) to within one matrix.
+The gradients must already be summed over dp (and over tp for sequence-parallel partial sums).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from pipeline.collectives import group_size
+from pipeline.tensor_parallel import ShardSpec, shard_tensor, unshard_tensor
+
+
+@dataclass(frozen=True)
+class MuonFunctions:
+    """The per-matrix Muon math, given by the caller: init_state(full_param) -> state dict; hparams(**group) ->
+    hyperparameter object; update(full_grad, state, hparams) -> update; apply(param_shard, update_shard, lr, wd);
+    lr_scale(full_shape) -> float."""
+
+    init_state: Callable
+    hparams: Callable
+    update: Callable
+    apply: Callable
+    lr_scale: Callable
+
+
+def full_shape(local: torch.Tensor, spec: ShardSpec | None) -> tuple[int, ...]:
+    shape = list(local.shape)
+    if spec is not None:
+        shape[spec.dim] *= spec.tp
+    return tuple(shape)
+
+
+def assign_owners(sizes: list[int], n_owners: int) -> list[int]:
+    """Owner slot of every matrix: largest first, each to the least-loaded slot (ties: lowest slot, then the
+    matrix's index), so the load of any slot is at most the average plus one matrix."""
+    load = [0] * n_owners
+    owners = [0] * len(sizes)
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        slot = min(range(n_owners), key=lambda s: (load[s], s))
+        owners[index] = slot
+        load[slot] += sizes[index]
+    return owners
+
+
+class DistributedMuon(torch.optim.Optimizer):
+    """Muon over (possibly tensor-parallel split) matrices with state owned per matrix; see the module docstring.
+
+    param_groups carry lr, momentum, weight_decay, beta2, nesterov, ns_steps like megaloop's Muon, so a scheduler
+    that rewrites them (the combined optimizer) drives this one unchanged. Parameters are given with their names so
+    the tp split (`shards`: name -> ShardSpec) is known."""
+
+    def __init__(self, named_params: list[tuple[str, torch.Tensor]], layout, shards: dict[str, ShardSpec],
+                 fns: MuonFunctions, orth_dtype: torch.dtype = torch.bfloat16, **defaults):
+        super().__init__([p for _, p in named_params], defaults)
+        self.names = [n for n, _ in named_params]
+        self.layout = layout
+        self.fns = fns
+        self.orth_dtype = orth_dtype
+        self.specs = [shards.get(n) if layout.tp > 1 else None for n in self.names]
+        self.full_shapes = [full_shape(p, s) for (_, p), s in zip(named_params, self.specs)]
+        sizes = [int(torch.Size(s).numel()) for s in self.full_shapes]
+        self.owners = assign_owners(sizes, layout.dp * layout.tp)
+        self.owned_state: dict[int, dict] = {}
+
+    def _owner(self, index: int) -> tuple[int, int]:
+        """(dp_rank, tp_rank) of the owner of matrix `index`."""
+        slot = self.owners[index]
+        return slot // self.layout.tp, slot % self.layout.tp
+
+    def owned(self) -> list[int]:
+        me = (self.layout.dp_rank, self.layout.tp_rank)
+        return [i for i in range(len(self.names)) if self._owner(i) == me]
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held by this rank."""
+        return sum(t.numel() * t.element_size() for st in self.owned_state.values() for t in st.values())
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        group = self.param_groups[0]
+        if len(self.param_groups) != 1:
+            raise ValueError("DistributedMuon takes one parameter group")
+        hp = self.fns.hparams(momentum=group["momentum"], nesterov=group["nesterov"], beta2=group["beta2"],
+                              ns_steps=group["ns_steps"], orth_dtype=self.orth_dtype)
+        params = group["params"]
+        my_dp = self.layout.dp_rank
+        local_updates: dict[int, torch.Tensor] = {}
+        for index, param in enumerate(params):
+            dp_o, tp_o = self._owner(index)
+            if dp_o == my_dp:
+                local_updates[index] = self._update_in_slice(index, param, tp_o, hp)
+        updates = self._share_over_dp(params, local_updates)
+        for index, param in enumerate(params):
+            lr = group["lr"] * self.fns.lr_scale(self.full_shapes[index])
+            self.fns.apply(param, updates[index], lr, group["weight_decay"])
+
+    def _grad(self, param: torch.Tensor) -> torch.Tensor:
+        return param.grad if param.grad is not None else torch.zeros_like(param)
+
+    def _update_in_slice(self, index: int, param: torch.Tensor, tp_o: int, hp) -> torch.Tensor:
+        """Steps 1-3 for one matrix owned by this data-parallel slice: this rank's shard of its update."""
+        spec, tp_group = self.specs[index], self.layout.tp_group
+        tp_rank = self.layout.tp_rank
+        grad = self._grad(param)
+        if self.layout.tp > 1 and spec is not None:
+            owner_global = dist.get_global_rank(tp_group, tp_o)
+            shards = [torch.empty_like(grad) for _ in range(self.layout.tp)] if tp_rank == tp_o else None
+            dist.gather(grad.contiguous(), shards, dst=owner_global, group=tp_group)
+            full_grad = unshard_tensor(shards, spec) if tp_rank == tp_o else None
+        else:
+            full_grad = grad
+        update = self._owner_update(index, full_grad, hp) if tp_rank == tp_o else None
+        return self._share_over_tp(index, param, update, tp_o, self._state_dtype(param))
+
+    def _owner_update(self, index: int, full_grad: torch.Tensor, hp) -> torch.Tensor:
+        """Step 2 on the owner: create the full-matrix state on first use, advance it, return the update."""
+        if index not in self.owned_state:
+            like = torch.empty(self.full_shapes[index], dtype=full_grad.dtype, device=full_grad.device)
+            self.owned_state[index] = self.fns.init_state(like)
+        return self.fns.update(full_grad, self.owned_state[index], hp)
+
+    @staticmethod
+    def _state_dtype(param: torch.Tensor) -> torch.dtype:
+        return torch.promote_types(param.dtype, torch.float32)
+
+    def _share_over_tp(self, index, param, update, tp_o: int, state_dtype) -> torch.Tensor:
+        """Step 3: scatter (split matrix) or broadcast (replicated) the owner's update within the tp group."""
+        tp_group, spec = self.layout.tp_group, self.specs[index]
+        if group_size(tp_group) == 1:
+            return update
+        tp_rank = self.layout.tp_rank
+        src = dist.get_global_rank(tp_group, tp_o)
+        if spec is not None:
+            out = torch.empty(param.shape, dtype=state_dtype, device=param.device)
+            pieces = [shard_tensor(update, spec, r) for r in range(spec.tp)] if tp_rank == tp_o else None
+            dist.scatter(out, pieces, src=src, group=tp_group)
+            return out
+        out = update if tp_rank == tp_o else torch.empty(param.shape, dtype=state_dtype, device=param.device)
+        dist.broadcast(out, src=src, group=tp_group)
+        return out
+
+    def _share_over_dp(self, params, local_updates: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Step 4: one packed broadcast per data-parallel slice of the updates it owns."""
+        dp_group = self.layout.dp_group
+        if group_size(dp_group) == 1:
+            return local_updates
+        out: dict[int, torch.Tensor] = {}
+        my_dp = self.layout.dp_rank
+        for source in range(self.layout.dp):
+            indices = [i for i in range(len(params)) if self._owner(i)[0] == source]
+            if not indices:
+                continue
+            dtype = self._state_dtype(params[indices[0]])
+            if source == my_dp:
+                flat = torch.cat([local_updates[i].reshape(-1).to(dtype) for i in indices])
+            else:
+                flat = torch.empty(sum(params[i].numel() for i in indices), dtype=dtype, device=params[0].device)
+            dist.broadcast(flat, src=dist.get_global_rank(dp_group, source), group=dp_group)
+            offset = 0
+            for i in indices:
+                n = params[i].numel()
+                out[i] = flat[offset:offset + n].view(params[i].shape)
+                offset += n
+        return out

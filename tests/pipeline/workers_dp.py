@@ -1,0 +1,60 @@
+"""Worker of the data-parallel test: each dp rank runs its rows of a union batch, in two micro-batches, with its
+own per-sequence depths (so ranks reuse the core weights a different number of times), then the bucketed reducer
+sums the gradients. Rank 0 saves the reduced gradients."""
+from __future__ import annotations
+
+import torch
+
+from pipeline.layout import init_layout
+from pipeline.runtime import ParallelRuntime
+from tests.pipeline.models import case_config, dims, grads_of, make_model, plan_for
+
+ROWS_PER_RANK = 4
+MICRO = 2
+
+
+def union_batch(cfg, dp: int):
+    """ids, labels and depths of the union batch; rank r gets rows [r*4, (r+1)*4). Rank 0's sequences are short
+    (depth 1-2), the last rank's long (depth 6-7)."""
+    g = torch.Generator().manual_seed(7)
+    rows = ROWS_PER_RANK * dp
+    ids = torch.randint(0, cfg.vocab_size, (rows, cfg.seq_len), generator=g)
+    labels = torch.randint(0, cfg.vocab_size, (rows, cfg.seq_len), generator=g)
+    labels[1, :5] = -100
+    depth = torch.cat([torch.randint(1 + 5 * (r == dp - 1), 3 + 5 * (r == dp - 1), (ROWS_PER_RANK,), generator=g)
+                       for r in range(dp)])
+    return ids, labels, depth
+
+
+def local_step(lm, cfg, ids, labels, depth, index, global_tokens, before_last_backward=None):
+    """Two micro-batches, each loss scaled by its share of the global (valid) tokens, as the trainer does."""
+    for start in range(0, ids.shape[0], MICRO):
+        sl = slice(start, start + MICRO)
+        out = lm(ids[sl], labels[sl], depth=depth[sl], backprop_depth=cfg.backprop_depth,
+                 noise_key=(0, 0, index[sl]))
+        n_valid = int((labels[sl] != -100).sum())
+        if before_last_backward is not None and start + MICRO >= ids.shape[0]:
+            before_last_backward()
+        (out.loss * (n_valid / global_tokens)).backward()
+
+
+def worker(rank: int, world: int, case: str, tp: int, overlap: bool, out_path: str) -> None:
+    cfg = case_config(case)
+    layout = init_layout(tp=tp, model=dims(cfg))
+    runtime = ParallelRuntime(layout, plan_for(cfg), bucket_mb=0.05)  # tiny buckets: many of them
+    model = make_model(case)
+    lm = runtime.prepare_model(model)
+    ids, labels, depth = union_batch(cfg, layout.dp)
+    mine = slice(layout.dp_rank * ROWS_PER_RANK, (layout.dp_rank + 1) * ROWS_PER_RANK)
+    local_valid = float((labels[mine] != -100).sum())
+    global_tokens = runtime.sum_over_dp(local_valid)
+    index = torch.arange(ids.shape[0])
+    local_step(lm, cfg, ids[mine], labels[mine], depth[mine], index[mine], global_tokens,
+               runtime.overlap_next_backward if overlap else None)
+    runtime.reduce_gradients(lm)
+    from pipeline.tensor_parallel import gather_full
+    grads = {n: gather_full(g, runtime.tp_info.shards.get(n), layout.tp_group) for n, g in grads_of(model).items()}
+    if rank == 0:
+        torch.save({"grads": grads, "buckets": len(runtime.reducer.buckets),
+                    "overlapped": runtime.reducer.launched_in_backward,
+                    "depths": depth.tolist()}, out_path)
