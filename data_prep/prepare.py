@@ -268,8 +268,10 @@ class ShardAssembler:
             split_info[split] = {"rows": n_rows, "tokens": n_rows * (self.options.seq_len + 1),
                                  "stream_tokens": packer.stream_tokens, "documents": packer.documents,
                                  "padded_tokens": padded, "dropped_tail_tokens": dropped, "shards": shards}
-        if split_info["train"]["rows"] == 0:
-            raise NotEnoughTokensError("the train split is empty", "add documents or lower --val-fraction")
+        for split, wanted in (("train", True), ("val", self.options.val_fraction > 0)):
+            if wanted and split_info[split]["rows"] == 0:
+                raise NotEnoughTokensError(f"the {split} split is empty (its documents were all skipped)",
+                                           "check the skipped files, add documents or change --val-fraction")
         return self._manifest(split_info)
 
     def _manifest(self, split_info: dict) -> dict:

@@ -155,3 +155,13 @@ def test_missing_or_foreign_manifest(tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps({"format": "something else"}))
     with pytest.raises(Exception, match="not a data_prep manifest"):
         ShardLoader(tmp_path, 12)
+
+
+def test_a_split_left_empty_by_skipped_files_is_an_error(small_corpus, chapters_tokenizer, tmp_path):
+    corpus = tmp_path / "in"
+    corpus.mkdir()
+    shutil.copyfile(sorted(small_corpus.glob("*.txt"))[0], corpus / "good.txt")
+    (corpus / "garbage.txt").write_bytes(bytes(range(128, 256)) * 100)   # no NUL: only found when read
+    with pytest.raises(NotEnoughTokensError, match="split is empty .*skipped.*What to do: check the skipped"):
+        prepare_shards(corpus, chapters_tokenizer.directory, tmp_path / "out", _options(val_fraction=0.5))
+    assert not (tmp_path / "out" / "manifest.json").exists()
