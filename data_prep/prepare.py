@@ -30,7 +30,7 @@ from .tokenizer import TrainedTokenizer, copy_tokenizer_files, load_tokenizer
 SPLITS = ("train", "val")
 VAL_SPLIT_SALT = "data_prep-val-split:"
 CORPUS_CHECK_DOCS = 8
-CORPUS_CHECK_CHARS = 65536
+CORPUS_CHECK_CHARS = 16384
 TOKENIZER_SUBDIR = "tokenizer"
 
 
@@ -172,7 +172,8 @@ _WORKER_STATE: dict = {}
 
 def init_encoder_process(tokenizer_dir: str, encoder: str, input_dir: str, max_invalid_fraction: float) -> None:
     """Pool initializer: load the tokenizer once per worker process."""
-    _WORKER_STATE.update(tok=load_tokenizer(tokenizer_dir, encoder=encoder), input_dir=input_dir,
+    tok = load_tokenizer(tokenizer_dir, encoder=encoder, verify=False)   # the parent has verified it
+    _WORKER_STATE.update(tok=tok, input_dir=input_dir,
                          max_invalid=max_invalid_fraction)
 
 
@@ -195,7 +196,7 @@ def iter_encoded(plan: CorpusPlan, indices: list[int], tokenizer_dir, workers: i
     """EncodedDocuments for `indices`, in that order, using `workers` processes (in-process when 1)."""
     tasks = [(i, plan.sources[i]) for i in indices]
     if workers <= 1 or len(tasks) <= 1:
-        tok = tok or load_tokenizer(tokenizer_dir, encoder=plan.encoder)
+        tok = tok or load_tokenizer(tokenizer_dir, encoder=plan.encoder, verify=False)
         for index, source in tasks:
             yield encode_with(tok, plan.input_dir, index, source, max_invalid_fraction)
         return

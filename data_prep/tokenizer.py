@@ -64,19 +64,30 @@ def new_byte_level_bpe():
 
 
 class TrainedTokenizer:
-    """A loaded tokenizer directory: HF tokenizer, optional tiktoken encoder, special ids and content hash."""
+    """A loaded tokenizer directory: HF tokenizer (parsed on first use), optional tiktoken encoder, special ids and
+    content hash."""
 
-    def __init__(self, directory: Path, hf, config: dict, fast=None, fast_problem: str | None = None):
+    def __init__(self, directory: Path, tokenizer_json: str, vocab: dict[str, int], config: dict):
         self.directory = directory
-        self.hf = hf
         self.config = config
-        self.fast = fast
-        self.fast_problem = fast_problem
+        self.vocab = vocab
+        self.fast = None
+        self.fast_problem: str | None = None
         self.hash: str = config["hash"]
-        self.vocab_size: int = max(hf.get_vocab().values()) + 1   # ids are 0..vocab_size-1
-        self.bos_id: int = hf.token_to_id(BOS)
-        self.eos_id: int = hf.token_to_id(EOS)
-        self.pad_id: int = hf.token_to_id(PAD)
+        self.vocab_size: int = max(vocab.values()) + 1   # ids are 0..vocab_size-1
+        self.bos_id, self.eos_id, self.pad_id = (vocab[t] for t in SPECIAL_TOKENS)
+        self._tokenizer_json = tokenizer_json
+        self._hf = None
+
+    @property
+    def hf(self):
+        """The HF tokenizer (specials inside text are encoded as plain text)."""
+        if self._hf is None:
+            from tokenizers import Tokenizer
+
+            self._hf = Tokenizer.from_str(self._tokenizer_json)
+            self._hf.encode_special_tokens = True
+        return self._hf
 
     @property
     def encoder_name(self) -> str:
@@ -193,8 +204,8 @@ def train_tokenizer(input_dir, output_dir, vocab_size: int = DEFAULT_VOCAB_SIZE,
     return load_tokenizer(output_dir)
 
 
-def _read_tokenizer_files(directory: Path) -> tuple[str, dict]:
-    """tokenizer.json text and the parsed config, after checking both exist and the hash still matches."""
+def _read_tokenizer_files(directory: Path) -> tuple[str, dict, dict]:
+    """tokenizer.json text and parsed content, and the config, after checking the hash still matches."""
     tok_path, cfg_path = directory / TOKENIZER_FILE, directory / CONFIG_FILE
     for path in (tok_path, cfg_path):
         if not path.is_file():
@@ -203,39 +214,52 @@ def _read_tokenizer_files(directory: Path) -> tuple[str, dict]:
     tokenizer_json = tok_path.read_text(encoding="utf-8")
     try:
         config = json.loads(cfg_path.read_text(encoding="utf-8"))
-        actual = tokenizer_hash(tokenizer_json)
+        content = json.loads(tokenizer_json)
     except json.JSONDecodeError as err:
         raise TokenizerError(f"{directory}: a tokenizer file is not valid JSON ({err})",
                              "re-train the tokenizer or restore its files") from err
+    actual = hashlib.sha256(canonical_json_bytes(content)).hexdigest()
     if config.get("hash") != actual:
         raise TokenizerMismatchError(
             f"{tok_path} changed after training: its hash is {actual[:16]}..., {CONFIG_FILE} records "
             f"{str(config.get('hash'))[:16]}...", "restore the original tokenizer files or re-train the tokenizer")
-    return tokenizer_json, config
+    return tokenizer_json, content, config
 
 
-def load_tokenizer(directory, encoder: str = "auto") -> TrainedTokenizer:
+def _vocabulary(content: dict, directory: Path) -> dict[str, int]:
+    """token -> id from a parsed tokenizer.json (model vocabulary plus added tokens); checks the specials."""
+    try:
+        vocab = dict(content["model"]["vocab"])
+        vocab.update({t["content"]: t["id"] for t in content.get("added_tokens", [])})
+    except (KeyError, TypeError) as err:
+        raise TokenizerError(f"{directory / TOKENIZER_FILE} is not a BPE tokenizer ({err})",
+                             "train one with `python -m data_prep tokenizer`") from err
+    missing = [t for t in SPECIAL_TOKENS if t not in vocab]
+    if missing:
+        raise TokenizerError(f"{directory} lacks the special tokens {missing}",
+                             "train the tokenizer with `python -m data_prep tokenizer`")
+    return vocab
+
+
+def load_tokenizer(directory, encoder: str = "auto", verify: bool = True) -> TrainedTokenizer:
     """Load a tokenizer directory. encoder: "auto" (tiktoken when it matches HF on the verification sample, HF
-    otherwise), "tiktoken" (error unless it matches) or "hf"."""
-    from tokenizers import Tokenizer
-
+    otherwise), "tiktoken" (error unless it matches) or "hf". verify=False skips that check (for worker processes
+    whose parent already made it)."""
     if encoder not in ENCODERS:
         raise TokenizerError(f"unknown encoder {encoder!r}", f"use one of {ENCODERS}")
     directory = Path(directory)
-    tokenizer_json, config = _read_tokenizer_files(directory)
-    hf = Tokenizer.from_str(tokenizer_json)
-    hf.encode_special_tokens = True
-    tok = TrainedTokenizer(directory, hf, config)
+    tokenizer_json, content, config = _read_tokenizer_files(directory)
+    tok = TrainedTokenizer(directory, tokenizer_json, _vocabulary(content, directory), config)
     if encoder == "hf":
         return tok
-    specials = {t: hf.token_to_id(t) for t in SPECIAL_TOKENS}
+    specials = {t: tok.vocab[t] for t in SPECIAL_TOKENS}
     try:
-        tok.fast = build_tiktoken_encoding(f"data_prep-{tok.hash[:12]}", hf.get_vocab(), specials, SPLIT_PATTERN)
+        tok.fast = build_tiktoken_encoding(f"data_prep-{tok.hash[:12]}", tok.vocab, specials, SPLIT_PATTERN)
     except (ValueError, KeyError) as err:
         tok.fast_problem = f"cannot build the fast encoder: {err}"
-    sample_path = directory / SAMPLE_FILE
-    samples = [EDGE_CASE_SAMPLE] + ([sample_path.read_text(encoding="utf-8")] if sample_path.is_file() else [])
-    if tok.fast is not None:
+    if tok.fast is not None and verify:
+        sample_path = directory / SAMPLE_FILE
+        samples = [EDGE_CASE_SAMPLE] + ([sample_path.read_text(encoding="utf-8")] if sample_path.is_file() else [])
         tok.fast_problem = tok.verify_fast_encoder(samples)
         if tok.fast_problem:
             tok.fast = None
