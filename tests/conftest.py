@@ -1,4 +1,5 @@
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -30,3 +31,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_shards(tmp_path_factory, shared_dir) -> Path:
+    """Shards of 33-token rows from 24 real chapters (vocab 512), built with data_prep's own API."""
+    from data_prep.prepare import ShardOptions, prepare_shards
+    from data_prep.tokenizer import train_tokenizer
+
+    root = tmp_path_factory.mktemp("tiny_data")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for f in sorted((shared_dir / "data" / "corpus" / "chapters").glob("*.txt"))[:24]:
+        shutil.copy(f, corpus / f.name)
+    train_tokenizer(corpus, root / "tok", vocab_size=512)
+    prepare_shards(corpus, root / "tok", root / "shards",
+                   ShardOptions(seq_len=32, val_fraction=0.1, shard_size=256, progress=False))
+    return root / "shards"
