@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from . import __version__
-from .errors import DataPrepError, NotEnoughTokensError
+from .errors import DataPrepError, EmptyCorpusError, NotEnoughTokensError
 from .manifest import FORMAT, FORMAT_VERSION, MANIFEST_FILE, write_manifest
 from .shard_writer import RowPacker, SplitShardWriter
 from .text_io import (DEFAULT_MAX_INVALID_FRACTION, SourceFile, list_source_files, probe_skip_reason,
@@ -65,6 +65,9 @@ class ShardOptions:
         if not 0.0 <= self.val_fraction < 1.0:
             raise DataPrepError(f"--val-fraction must be in [0, 1), got {self.val_fraction}",
                                 "pass e.g. --val-fraction 0.01")
+        if not 0.0 <= self.max_invalid_fraction <= 1.0:
+            raise DataPrepError(f"--max-invalid-fraction must be in [0, 1], got {self.max_invalid_fraction}",
+                                "pass e.g. --max-invalid-fraction 0.1")
         if self.workers < 1:
             raise DataPrepError(f"--workers must be at least 1, got {self.workers}", "pass --workers 1 or more")
 
@@ -140,7 +143,6 @@ def plan_corpus(input_dir, tok: TrainedTokenizer, options: ShardOptions) -> Corp
             pre_skipped[i] = reason
     usable = [i for i in range(len(sources)) if i not in pre_skipped]
     if not usable:
-        from .errors import EmptyCorpusError
         raise EmptyCorpusError(f"{input_dir} holds no usable text file ({len(sources)} files, all skipped: "
                                f"{sorted(set(pre_skipped.values()))})", "point --input at UTF-8 text files")
     val = choose_validation([sources[i].relpath for i in usable], options.val_fraction)
@@ -152,12 +154,14 @@ def plan_corpus(input_dir, tok: TrainedTokenizer, options: ShardOptions) -> Corp
 
 
 def _check_split_can_fill_a_row(sources, splits, options: ShardOptions) -> None:
-    """Fail early when a split cannot reach seq_len + 1 tokens (a token has at least one byte of text)."""
+    """Fail early when a split cannot reach seq_len + 1 tokens. A token holds at least one byte of text, and an
+    invalid byte becomes U+FFFD (3 bytes), so a file of n bytes gives at most n * (1 + 2 * max_invalid) + 2 tokens."""
     if options.keep_last_partial:
         return
+    growth = 1 + 2 * options.max_invalid_fraction
     for split in SPLITS:
         members = [s for s, sp in zip(sources, splits) if sp == split]
-        upper_bound = sum(s.size + 2 for s in members)
+        upper_bound = sum(int(s.size * growth) + 2 for s in members)
         if members and upper_bound < options.seq_len + 1:
             raise NotEnoughTokensError(
                 f"the {split} split has at most {upper_bound} tokens ({len(members)} documents), fewer than "
@@ -173,8 +177,7 @@ _WORKER_STATE: dict = {}
 def init_encoder_process(tokenizer_dir: str, encoder: str, input_dir: str, max_invalid_fraction: float) -> None:
     """Pool initializer: load the tokenizer once per worker process."""
     tok = load_tokenizer(tokenizer_dir, encoder=encoder, verify=False)   # the parent has verified it
-    _WORKER_STATE.update(tok=tok, input_dir=input_dir,
-                         max_invalid=max_invalid_fraction)
+    _WORKER_STATE.update(tok=tok, input_dir=input_dir, max_invalid=max_invalid_fraction)
 
 
 def encode_with(tok: TrainedTokenizer, input_dir, index: int, source: SourceFile,

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from . import __version__
-from .errors import TokenizerError, TokenizerMismatchError
+from .errors import EmptyCorpusError, TokenizerError, TokenizerMismatchError
 from .fast_encoder import EDGE_CASE_SAMPLE, build_tiktoken_encoding, first_disagreement
 from .text_io import DEFAULT_MAX_INVALID_FRACTION, iter_documents, list_source_files
 
@@ -157,15 +157,11 @@ def _read_training_texts(input_dir, glob: str, max_bytes: int | None, progress: 
     return texts, summary
 
 
-def _prepare_output_dir(output_dir: Path, overwrite: bool) -> None:
-    """Create the output directory; refuse to replace an existing tokenizer unless asked to."""
-    if (output_dir / TOKENIZER_FILE).exists() or (output_dir / CONFIG_FILE).exists():
-        if not overwrite:
-            raise TokenizerError(f"{output_dir} already holds a tokenizer",
-                                 "choose another --output or pass --overwrite")
-        for name in (TOKENIZER_FILE, CONFIG_FILE, SAMPLE_FILE):
-            (output_dir / name).unlink(missing_ok=True)
-    output_dir.mkdir(parents=True, exist_ok=True)
+def _check_output_dir(output_dir: Path, overwrite: bool) -> None:
+    """Refuse to replace an existing tokenizer unless asked to (checked before any work; files are replaced when
+    the new tokenizer is written)."""
+    if ((output_dir / TOKENIZER_FILE).exists() or (output_dir / CONFIG_FILE).exists()) and not overwrite:
+        raise TokenizerError(f"{output_dir} already holds a tokenizer", "choose another --output or pass --overwrite")
 
 
 def train_tokenizer(input_dir, output_dir, vocab_size: int = DEFAULT_VOCAB_SIZE, glob: str = "*",
@@ -178,12 +174,12 @@ def train_tokenizer(input_dir, output_dir, vocab_size: int = DEFAULT_VOCAB_SIZE,
         raise TokenizerError(f"vocab size {vocab_size} is below {MIN_VOCAB_SIZE} (256 bytes + 3 specials)",
                              f"pass --vocab-size {MIN_VOCAB_SIZE} or more")
     output_dir = Path(output_dir)
+    _check_output_dir(output_dir, overwrite)
     texts, summary = _read_training_texts(input_dir, glob, max_bytes, progress)
     if not texts:
-        from .errors import EmptyCorpusError
         raise EmptyCorpusError(f"no usable text in {input_dir} (skipped: {summary['skipped']})",
                                "point --input at a directory of UTF-8 text files")
-    _prepare_output_dir(output_dir, overwrite)
+    output_dir.mkdir(parents=True, exist_ok=True)
     hf = new_byte_level_bpe()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
                                   special_tokens=list(SPECIAL_TOKENS), show_progress=progress,
