@@ -69,6 +69,10 @@ class ParallelRuntime:
         self.reducer = GradReducer(list(model.parameters()), self.layout.dp_group, self.bucket_mb)
         return wrapped
 
+    def backward(self, loss: torch.Tensor) -> None:
+        """One micro-batch's backward (the DeepSpeed runtime routes it through its engine)."""
+        loss.backward()
+
     def overlap_next_backward(self) -> None:
         """Reduce gradient buckets during the coming backward; call just before the step's last backward."""
         self.reducer.overlap_next_backward()

@@ -18,7 +18,7 @@ IGNORE_INDEX = -100
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, start, group):
-        logits = logits.float()
+        logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
         vocab_local = logits.shape[-1]
         local_max = logits.detach().amax(dim=-1)
         global_max = all_reduce_(local_max.clone(), group, op=dist.ReduceOp.MAX)

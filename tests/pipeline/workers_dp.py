@@ -13,16 +13,19 @@ ROWS_PER_RANK = 4
 MICRO = 2
 
 
-def union_batch(cfg, dp: int):
+def union_batch(cfg, dp: int, seed: int = 0, equal_rank_max: bool = False):
     """ids, labels and depths of the union batch; rank r gets rows [r*4, (r+1)*4). Rank 0's sequences are short
-    (depth 1-2), the last rank's long (depth 6-7)."""
-    g = torch.Generator().manual_seed(7)
+    (depth 1-2), the last rank's long (depth 6-7); equal_rank_max: the last row of every micro-batch gets depth 7,
+    so every rank runs the same number of loop steps (sequences still differ)."""
+    g = torch.Generator().manual_seed(7 + seed)
     rows = ROWS_PER_RANK * dp
     ids = torch.randint(0, cfg.vocab_size, (rows, cfg.seq_len), generator=g)
     labels = torch.randint(0, cfg.vocab_size, (rows, cfg.seq_len), generator=g)
     labels[1, :5] = -100
     depth = torch.cat([torch.randint(1 + 5 * (r == dp - 1), 3 + 5 * (r == dp - 1), (ROWS_PER_RANK,), generator=g)
                        for r in range(dp)])
+    if equal_rank_max:
+        depth[MICRO - 1::MICRO] = 7
     return ids, labels, depth
 
 

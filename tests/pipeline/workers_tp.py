@@ -27,8 +27,31 @@ def tp_forward_backward(case: str, tp: int, sp: bool, batch: int = 2):
     return {"loss": out.loss.detach(), "logits": logits, "grads": grads, "shards": sorted(lm.tp_info.shards)}
 
 
+def vocab_ce_logits(vocab: int = 96):
+    """Logits [3, 5, vocab] with a wide range (stability) and labels with ignored entries."""
+    g = torch.Generator().manual_seed(3)
+    logits = 30.0 * torch.randn(3, 5, vocab, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, vocab, (3, 5), generator=g)
+    labels[0, 1] = labels[2, 4] = -100
+    return logits, labels
+
+
+def vocab_ce(tp: int):
+    """Vocab-parallel CE (mean and per token) on this rank's slice; returns losses and the gathered gradient."""
+    from pipeline.vocab_parallel import vocab_parallel_cross_entropy
+
+    layout = init_layout(tp=tp)
+    logits, labels = vocab_ce_logits()
+    local = logits.chunk(tp, dim=-1)[layout.tp_rank].clone().requires_grad_(True)
+    mean = vocab_parallel_cross_entropy(local, labels, layout)
+    per_token = vocab_parallel_cross_entropy(local.detach(), labels, layout, reduction="none")
+    mean.backward()
+    return {"mean": mean.detach(), "per_token": per_token,
+            "grad": all_gather_along(local.grad, -1, layout.tp_group)}
+
+
 def worker(rank: int, world: int, cases: list[str], out_path: str) -> None:
-    results = {}
+    results = {"vocab_ce": vocab_ce(world)}
     for case in cases:
         for sp in (False, True):
             results[(case, sp)] = tp_forward_backward(case, world, sp)
