@@ -34,9 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def build_shards(args) -> Path:
-    """Shards of the chapters corpus in a temporary directory."""
-    work = Path(tempfile.mkdtemp(prefix="data_prep_loader_"))
+def build_shards(args, work: Path) -> Path:
+    """Shards of the chapters corpus under `work`."""
     tok = train_tokenizer(args.corpus, work / "tok", 4096, progress=False)
     prepare_shards(args.corpus, tok.directory, work / "shards",
                    ShardOptions(seq_len=args.seq_len, shard_size=256, workers=1, progress=False))
@@ -61,9 +60,16 @@ def measure(shards: Path, global_batch: int, dp_size: int, prefetch: int, steps:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    shards = Path(args.shards) if args.shards else build_shards(args)
+    if args.shards:
+        return run(args, Path(args.shards))
+    with tempfile.TemporaryDirectory(prefix="data_prep_loader_") as scratch:
+        return run(args, build_shards(args, Path(scratch)))
+
+
+def run(args, shards: Path) -> int:
+    """Measure and print the loader figures."""
     loader = ShardLoader(shards, args.global_batch)
-    print(f"shards {shards}: {loader.num_rows} train rows of {loader.dataset.row_len} tokens "
+    print(f"shards {shards.name}: {loader.num_rows} train rows of {loader.dataset.row_len} tokens "
           f"({loader.num_rows * loader.dataset.row_len / 1e6:.1f}M tokens); {args.steps} steps of global batch "
           f"{args.global_batch} (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
     loader.close()

@@ -31,7 +31,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--shard-size", type=int, default=1024)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--output", default=None, help="shard directory (default: a temporary one)")
+    parser.add_argument("--output", default=None, help="shard directory to keep (default: a temporary one)")
     parser.add_argument("--compare-workers", type=int, default=None,
                         help="also shard with this many workers and compare the bytes")
     return parser.parse_args(argv)
@@ -61,7 +61,12 @@ def same_bytes(first: Path, second: Path) -> bool:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    output = Path(args.output) if args.output else Path(tempfile.mkdtemp(prefix="data_prep_shards_"))
+    with tempfile.TemporaryDirectory(prefix="data_prep_shards_") as scratch:
+        return run(args, Path(args.output) if args.output else Path(scratch) / "shards", Path(scratch))
+
+
+def run(args, output: Path, scratch: Path) -> int:
+    """Shard into `output` (and into `scratch` for the comparison), print the figures; 0 when all checks pass."""
     manifest, seconds, cpu = shard_once(args, output, args.workers)
     mb = manifest["counts"]["text_bytes"] / 1e6
     print(f"sharded {mb:.1f} MB of text ({manifest['counts']['files_used']} files) into "
@@ -78,7 +83,7 @@ def main(argv=None) -> int:
     print(f"manifest checksums (full sha256): {'all OK' if not problems else problems} "
           f"({time.perf_counter() - start:.1f} s)")
     if args.compare_workers is not None:
-        other = Path(tempfile.mkdtemp(prefix="data_prep_shards_cmp_"))
+        other = scratch / "compare"
         _, other_seconds, _ = shard_once(args, other, args.compare_workers)
         identical = same_bytes(output, other)
         print(f"with {args.compare_workers} worker(s): {mb / other_seconds:.2f} MB/s; byte-identical output: "

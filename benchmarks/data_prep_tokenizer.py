@@ -26,7 +26,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--corpus", default=str(REPO.parent / "shared" / "data" / "corpus"))
     parser.add_argument("--vocab-size", type=int, default=32768)
-    parser.add_argument("--output", default=None, help="tokenizer directory (default: a temporary one)")
+    parser.add_argument("--output", default=None, help="tokenizer directory to keep (default: a temporary one)")
     return parser.parse_args(argv)
 
 
@@ -49,8 +49,15 @@ def check_every_document(tok, corpus: Path) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.output:
+        return run(args, Path(args.output))
+    with tempfile.TemporaryDirectory(prefix="data_prep_tok_") as scratch:
+        return run(args, Path(scratch) / "tokenizer")
+
+
+def run(args, output: Path) -> int:
+    """Train into `output`, check every document, print the figures; 0 when every check passed."""
     corpus = Path(args.corpus)
-    output = Path(args.output) if args.output else Path(tempfile.mkdtemp(prefix="data_prep_tok_"))
     cpu_start, start = time.process_time(), time.perf_counter()
     tok = train_tokenizer(corpus, output, args.vocab_size, overwrite=True, progress=False)
     seconds = time.perf_counter() - start
