@@ -31,8 +31,8 @@ def test_dp_gradients_equal_union_batch(overlap, tmp_path):
     got = torch.load(out)
     ref = union_reference("parcae", 2)
     worst = max((max_rel_err(got["grads"][n], g), n) for n, g in ref.items())
-    print(f"dp=2 overlap={overlap}: depths {got['depths']}, {got['buckets']} buckets ({got['overlapped']} launched during the backward), worst grad err "
-          f"{worst[0]:.2e} ({worst[1]})")
+    print(f"dp=2 overlap={overlap}: depths {got['depths']}, {got['buckets']} buckets ({got['overlapped']} launched "
+          f"during the backward), worst grad err {worst[0]:.2e} ({worst[1]})")
     assert got["buckets"] > 3
     assert (got["overlapped"] > 0) == overlap
     assert worst[0] <= TOL

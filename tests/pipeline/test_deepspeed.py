@@ -3,6 +3,8 @@ parameters of the single-process AdamW run over the union batch after 2 steps (1
 ranks with different loop counts; ZeRO-3 needs equal ones and says so; Muon is refused with an explanation."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -40,6 +42,8 @@ def test_muon_is_refused_under_deepspeed():
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("MEGALOOP_SLOW"), reason="~75 s and a known open discrepancy; set MEGALOOP_SLOW=1")
 @pytest.mark.xfail(reason="open: under DeepSpeed 0.19.8 (CPU, fp32, torch_adam) the parameters after the first "
                           "AdamW step are ~2 lr away from torch's AdamW on some entries although the reduced "
                           "gradients (safe_get_full_grad) match to 3e-8; not yet explained", strict=False)

@@ -34,7 +34,8 @@ def run_layout(case: str, tp: int):
     full_model = make_model(case)
     model = make_model(case)
     runtime.prepare_model(model)
-    opt = build_optimizer(model.named_parameters(), optim_config(grad_clip=clip_for(tp)), STEPS, norm_sq_reduce=runtime.norm_sq_reduce())
+    opt = build_optimizer(model.named_parameters(), optim_config(grad_clip=clip_for(tp)), STEPS,
+                          norm_sq_reduce=runtime.norm_sq_reduce())
     opt.muon.orth_dtype = ORTH_DTYPE
     opt = runtime.prepare_optimizer(opt)
     norms = []
