@@ -83,15 +83,15 @@ def resolve_device(name: str) -> torch.device:
 
 def train(cfg: Config, runtime=None) -> RunSummary:
     """Run cfg.train.steps optimizer steps. All outputs go under cfg.train.out_dir."""
-    from megaloop.train.runtime import SingleProcessRuntime
+    from megaloop.train.runtime import make_runtime
 
     device = resolve_device(cfg.train.device)
-    runtime = runtime or SingleProcessRuntime(device)
+    runtime = runtime or make_runtime(cfg, device)
     out_dir = Path(cfg.train.out_dir)
     data = open_data(cfg, runtime.dp_rank, runtime.dp_size)  # fails early on bad data, before the model
     model = runtime.prepare_model(build_model(cfg.model, device=device, seed=cfg.train.seed))
-    optimizer = build_optimizer(model.named_parameters(), cfg.optim, cfg.train.steps,
-                                norm_sq_reduce=runtime.norm_sq_reduce())
+    optimizer = runtime.prepare_optimizer(build_optimizer(model.named_parameters(), cfg.optim, cfg.train.steps,
+                                                          norm_sq_reduce=runtime.norm_sq_reduce()))
     sampler = make_sampler(cfg.model.depth_sampler, cfg.model.mu_rec, cfg.model.backprop_depth, seed=cfg.train.seed)
     flop_model = FlopModel.of(cfg.model)
     summary = RunSummary(n_params=count_parameters(model))

@@ -25,6 +25,12 @@ class SingleProcessRuntime:
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model
 
+    def prepare_optimizer(self, optimizer):
+        return optimizer
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
     def sum_over_dp(self, value: float) -> float:
         return value
 
@@ -42,3 +48,30 @@ class SingleProcessRuntime:
 
     def close(self) -> None:
         return None
+
+
+def make_runtime(cfg, device: torch.device):
+    """The runtime for this job: single-process, or pipeline's tensor/data-parallel one (native or DeepSpeed)
+    when launched on several processes (torchrun or Slurm), built from cfg.parallel with megaloop's TP plan and
+    per-matrix Muon functions (pipeline never imports megaloop)."""
+    from pipeline.layout import BatchDims, ModelDims, init_layout, read_launch_env
+
+    if read_launch_env().world_size == 1 and cfg.parallel.tp == 1:
+        return SingleProcessRuntime(device)
+    m, p, d = cfg.model, cfg.parallel, cfg.data
+    layout = init_layout(tp=p.tp, pp=p.pp, dp=p.dp, model=ModelDims(m.n_heads, m.kv_heads, m.vocab_size, m.seq_len),
+                         batch=BatchDims(d.global_batch_size, d.micro_batch_size),
+                         sequence_parallel=p.sequence_parallel, device=device.type, backend=p.backend)
+    if p.engine == "deepspeed":
+        from pipeline.deepspeed_engine import DeepSpeedRuntime
+
+        return DeepSpeedRuntime(layout, p.zero_stage, d.micro_batch_size,
+                                d.global_batch_size // (layout.dp * d.micro_batch_size), bf16=False)
+    from megaloop.model.tp_plan import tensor_parallel_plan
+    from megaloop.optim import muon
+    from pipeline.dist_muon import MuonFunctions
+    from pipeline.runtime import ParallelRuntime
+
+    functions = MuonFunctions(init_state=muon.init_muon_state, hparams=muon.MuonHParams, update=muon.muon_update,
+                              apply=muon.apply_muon_update, lr_scale=muon.muon_lr_scale)
+    return ParallelRuntime(layout, tensor_parallel_plan(m.mlp), functions, zero_stage=p.zero_stage)

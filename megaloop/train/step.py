@@ -58,7 +58,7 @@ def train_step(model, optimizer, batch: dict, depth_sample, step: int, seed: int
         n_tok = mb.shape[0] * seq
         scaled = out.loss * (n_tok / global_tokens)  # the global batch's token mean, whatever the split
         t1 = time.perf_counter()
-        scaled.backward()
+        runtime.backward(scaled)
         stats.times["forward"] += t1 - t0
         stats.times["backward"] += time.perf_counter() - t1
         stats.loss_sum += float(out.loss.detach()) * n_tok
