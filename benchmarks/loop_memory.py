@@ -1,7 +1,7 @@
 """Peak memory of one training step versus the number of no-grad loop steps n (truncated backprop).
 
-Each n runs in a fresh process; the figure is (peak RSS during forward+backward) - (RSS before the step), read from
-getrusage's high-water mark, so allocator caching between runs cannot hide growth.
+Each n runs in a fresh process; the figure is (peak RSS during forward+backward) - (RSS before the step): the
+kernel's peak mark (VmHWM) is reset just before the step, so allocator caching between runs cannot hide growth.
 
     python benchmarks/loop_memory.py [--n 4 16 64] [--k 2] [--d 256] [--seq 256] [--batch 8]
 """
@@ -17,8 +17,29 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _status_mb(field: str) -> float | None:
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak() -> bool:
+    """Reset the kernel's peak-RSS mark (VmHWM) so that the next reading is the peak of what follows."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def _rss_peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    hwm = _status_mb("VmHWM")
+    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def one_step(n: int, k: int, d: int, seq: int, batch: int, truncate: bool = True) -> dict:
@@ -34,7 +55,9 @@ def one_step(n: int, k: int, d: int, seq: int, batch: int, truncate: bool = True
     ids = torch.randint(0, 512, (batch, seq))
     model(ids[:1, :8], labels=ids[:1, :8], depth=1).loss.backward()  # warm up kernels and allocator
     model.zero_grad(set_to_none=True)
-    before = _rss_peak_mb()
+    # The figure is (peak during the step) - (resident before it). Where the peak mark cannot be reset, fall back
+    # to the process high-water mark (which then also covers start-up and may hide a small step).
+    before = _status_mb("VmRSS") if _reset_peak() else _rss_peak_mb()
     model(ids, labels=ids, depth=n + k, backprop_depth=k if truncate else None).loss.backward()
     return {"n": n, "k": k, "step_peak_mb": _rss_peak_mb() - before}
 

@@ -17,7 +17,8 @@ def run_training(cfg: Config) -> int:
     except (ConfigError, DataPrepError, FileNotFoundError) as err:
         print(f"megaloop: {err}", file=sys.stderr)
         return 2
-    print(format_summary(cfg, summary))
+    if summary.is_main:
+        print(format_summary(cfg, summary))
     return 130 if summary.interrupted else 0
 
 

@@ -98,7 +98,7 @@ def _ve_gate_params(cfg: ModelConfig, layers) -> int:
     return sum(cfg.kv_heads * cfg.ve_gate_channels for i in layers if has_value_embedding(i, cfg.n_layers))
 
 
-def measure_cpu_peak_tflops(dtype: torch.dtype, size: int = 1024, seconds: float = 0.3) -> float:
+def measure_cpu_peak_tflops(dtype: torch.dtype, size: int = 2048, seconds: float = 0.5) -> float:
     """A short matmul benchmark: the best sustained TFLOP/s for `dtype` on this machine's CPU threads."""
     a = torch.randn(size, size).to(dtype)
     b = torch.randn(size, size).to(dtype)

@@ -34,6 +34,7 @@ class RunSummary:
     peak_tflops: float = float("nan")
     peak_source: str = ""
     n_params: int = 0
+    is_main: bool = True
     val: dict = field(default_factory=dict)
     losses: list = field(default_factory=list)
 
@@ -86,6 +87,7 @@ def train(cfg: Config, runtime=None) -> RunSummary:
     from megaloop.train.runtime import make_runtime
 
     device = resolve_device(cfg.train.device)
+    owns_runtime = runtime is None
     runtime = runtime or make_runtime(cfg, device)
     out_dir = Path(cfg.train.out_dir)
     data = open_data(cfg, runtime.dp_rank, runtime.dp_size)  # fails early on bad data, before the model
@@ -94,7 +96,8 @@ def train(cfg: Config, runtime=None) -> RunSummary:
                                                           norm_sq_reduce=runtime.norm_sq_reduce()))
     sampler = make_sampler(cfg.model.depth_sampler, cfg.model.mu_rec, cfg.model.backprop_depth, seed=cfg.train.seed)
     flop_model = FlopModel.of(cfg.model)
-    summary = RunSummary(n_params=count_parameters(model))
+    # counted on the meta device from the config: under tensor parallelism `model` holds only this rank's shard
+    summary = RunSummary(n_params=count_parameters(build_model(cfg.model, device="meta")), is_main=runtime.is_main)
     summary.peak_tflops, summary.peak_source = device_peak_tflops(device, cfg.train.precision)
     if runtime.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -114,6 +117,8 @@ def train(cfg: Config, runtime=None) -> RunSummary:
         progress.close()
         writer.close()
         data.close()
+        if owns_runtime:
+            runtime.close()
     if runtime.is_main:
         (out_dir / "summary.json").write_text(json.dumps(summary.as_dict(), indent=2))
     return summary
