@@ -20,6 +20,13 @@ def default_val_depths(mu_rec: int, looped: bool) -> list[int]:
     return sorted({1, 2, 4, mu_rec, 2 * mu_rec})
 
 
+def final_val_depths(cfg, periodic: list[int]) -> list[int]:
+    """The end-of-run evaluation covers every T in 1..2 mu_rec (the summary table), plus the periodic depths."""
+    if not cfg.model.is_looped:
+        return periodic
+    return sorted(set(periodic) | set(range(1, 2 * cfg.model.mu_rec + 1)))
+
+
 @torch.no_grad()
 def validation_losses(model, batches: list[dict], depths: list[int], seed: int, precision: str, device,
                       runtime, bytes_per_token: float | None = None) -> dict[int, dict]:

@@ -15,7 +15,7 @@ from megaloop.depth import make_sampler
 from megaloop.model import build_model, count_parameters
 from megaloop.optim import build_optimizer
 from megaloop.train.data import open_data
-from megaloop.train.evaluate import default_val_depths, validation_losses
+from megaloop.train.evaluate import default_val_depths, final_val_depths, validation_losses
 from megaloop.train.flops import FlopModel, device_peak_tflops
 from megaloop.train.metrics import MetricsWriter
 from megaloop.train.progress import Progress
@@ -109,8 +109,8 @@ def train(cfg: Config, runtime=None) -> RunSummary:
         with _StopFlag() as flag:
             _run_steps(cfg, model, optimizer, sampler, flop_model, data, runtime, writer, progress, summary, flag,
                        val_depths)
-        summary.val = validation_losses(model, data.val_batches(), val_depths, cfg.train.seed, cfg.train.precision,
-                                        device, runtime, data.bytes_per_token)
+        summary.val = validation_losses(model, data.val_batches(), final_val_depths(cfg, val_depths), cfg.train.seed,
+                                        cfg.train.precision, device, runtime, data.bytes_per_token)
         for depth, v in summary.val.items():
             writer.write({"kind": "val", "step": summary.steps_done, "T": depth, **v})
     finally:
