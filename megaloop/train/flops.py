@@ -121,5 +121,7 @@ def device_peak_tflops(device: torch.device, precision: str) -> tuple[float, str
             if gpu in name and prec == precision:
                 return peak, f"table ({gpu} {prec} dense)"
         return float("nan"), f"no peak known for {name!r} {precision}"
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    return measure_cpu_peak_tflops(dtype), f"measured CPU {precision} matmul"
+    peaks = {name: measure_cpu_peak_tflops(dtype) for name, dtype in (("bf16", torch.bfloat16),
+                                                                        ("fp32", torch.float32))}
+    other = "fp32" if precision == "bf16" else "bf16"
+    return peaks[precision], f"measured CPU {precision} matmul at start-up; {other}: {peaks[other]:.3f}"
