@@ -20,7 +20,10 @@ def run(shards: str, steps: int, precision: str, overrides: list[str], out: Path
 
     sets = [f"data.shards={shards}", f"train.steps={steps}", f"train.precision={precision}",
             f"train.out_dir={out / precision}", "train.progress=false", f"train.val_every={steps}", *overrides]
-    return train(load_config(REPO / "configs" / "parcae-tiny.yaml", sets))
+    cfg = load_config(REPO / "configs" / "parcae-tiny.yaml", sets)
+    summary = train(cfg)
+    summary.mu_rec = cfg.model.mu_rec
+    return summary
 
 
 def main() -> None:
@@ -38,8 +41,8 @@ def main() -> None:
     print(f"{'step':>5} {'fp32 loss':>10} {'bf16 loss':>10} {'diff':>8}")
     for s in list(range(0, a.steps, a.every)) + [a.steps - 1]:
         print(f"{s:>5} {fp32.losses[s]:>10.4f} {bf16.losses[s]:>10.4f} {bf16.losses[s] - fp32.losses[s]:>+8.4f}")
-    t = sorted(fp32.val)[-2] if len(fp32.val) > 1 else sorted(fp32.val)[0]
-    print(f"final val loss at T={t}: fp32 {fp32.val[t]['val_loss']:.4f}  bf16 {bf16.val[t]['val_loss']:.4f}")
+    for t in sorted({1, fp32.mu_rec}):
+        print(f"final val loss at T={t}: fp32 {fp32.val[t]['val_loss']:.4f}  bf16 {bf16.val[t]['val_loss']:.4f}")
 
 
 if __name__ == "__main__":
