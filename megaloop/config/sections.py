@@ -28,6 +28,9 @@ class ParallelConfig:
         check_choice("parallel.backend", self.backend, ("auto", "gloo", "nccl"))
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError("parallel.zero_stage", self.zero_stage, "allowed values: 0, 1, 2, 3")
+        if self.pp != 1:
+            raise ConfigError("parallel.pp", self.pp, "pipeline parallelism is not available yet: use parallel.pp=1 "
+                              "with parallel.tp and parallel.dp")
 
 
 @dataclass
@@ -81,7 +84,8 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Checkpointing (sharded zarr checkpoints land in a later step; `every` 0 disables)."""
+    """Checkpointing: sharded zarr checkpoints land in a later step; until then every=0 and resume=null are enforced
+    so that a run never silently goes without the checkpoints it asked for."""
 
     dir: str | None = None  # None: <train.out_dir>/checkpoints
     every: int = 0
@@ -91,6 +95,9 @@ class CheckpointConfig:
     def validate(self) -> None:
         if self.every < 0:
             raise ConfigError("checkpoint.every", self.every, "must be >= 0 (0 disables)")
+        if self.every > 0 or self.resume is not None:
+            raise ConfigError("checkpoint.every/resume", (self.every, self.resume),
+                              "checkpointing is not available yet: leave checkpoint.every=0 and checkpoint.resume=null")
         if self.keep < 1:
             raise ConfigError("checkpoint.keep", self.keep, "must be >= 1")
 

@@ -27,6 +27,8 @@ def no_model_may_be_built(monkeypatch):
     ("model.n_kv_heads=3", "model.n_kv_heads", "allowed [1, 2, 4]"),
     ("train.precision=fp16", "train.precision", "fp32, bf16"),
     ("optim.name=sgd", "name", "muon"),
+    ("parallel.pp=2", "parallel.pp", "pipeline parallelism is not available yet"),
+    ("checkpoint.every=100", "checkpoint.every", "checkpointing is not available yet"),
 ])
 def test_invalid_values_name_field_and_allowed(override, field, allowed):
     with pytest.raises(ValueError) as info:
