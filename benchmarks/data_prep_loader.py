@@ -1,4 +1,4 @@
-"""Loader benchmark (acceptance 4): tokens per second delivered to one process from local shards.
+"""Loader benchmark: tokens per second delivered to one process from local shards.
 
 Measures ShardLoader (random global order over all rows, LongTensor batches) with and without the prefetch thread,
 for dp = 1 and for one rank of dp = 4, plus the validation iterator. Target: >= 10M tokens/s per process. Without

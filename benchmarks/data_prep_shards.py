@@ -1,4 +1,4 @@
-"""Sharding benchmark (acceptance 2): the whole shared corpus end to end, MB/s of text, checksums verified.
+"""Sharding benchmark: the whole shared corpus end to end, MB/s of text, checksums verified.
 
 Needs a tokenizer directory (e.g. from benchmarks/data_prep_tokenizer.py --output DIR). Prints MB/s (target >= 5 on
 the 2-core development machine), then verifies every shard's sha256 against the manifest. With --compare-workers N

@@ -1,4 +1,4 @@
-"""Tokenizer benchmark (acceptance 1): train on the whole shared corpus, then check every document.
+"""Tokenizer benchmark: train on the whole shared corpus, then check every document.
 
 Prints the training time (target <= 60 s on the 2-core development machine), whether decode(encode(doc)) == doc
 and tiktoken ids == HF ids for every document, bytes per token, and the speed of both encoders. Usage (from the

@@ -1,4 +1,4 @@
-"""Acceptance: invalid configs fail before any model is built, naming the field and the allowed values;
+"""Invalid configs fail before any model is built, naming the field and the allowed values;
 unknown keys get a suggestion; types are checked; batch sizes must be consistent."""
 import json
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""Bad input (acceptance 5): each case is a clear error (what was wrong, what to do) or a documented, counted skip."""
+"""Bad input: each case is a clear error (what was wrong, what to do) or a documented, counted skip."""
 from __future__ import annotations
 
 import io

@@ -1,4 +1,4 @@
-"""The loader (acceptance 4): epoch coverage per dp, dp-independent global batches, exact resume, prefetch."""
+"""The loader: epoch coverage per dp, dp-independent global batches, exact resume, prefetch."""
 from __future__ import annotations
 
 import itertools

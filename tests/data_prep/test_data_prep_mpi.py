@@ -1,4 +1,4 @@
-"""MPI preparation (acceptance 3): mpirun -n 1, 2 and 4 write byte-identical shards and manifest."""
+"""MPI preparation: mpirun -n 1, 2 and 4 write byte-identical shards and manifest."""
 from __future__ import annotations
 
 import importlib.util

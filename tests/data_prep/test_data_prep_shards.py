@@ -1,4 +1,4 @@
-"""Sharding (acceptance 2, small scale): packing, manifest, validation split, determinism, plain tar/webdataset."""
+"""Sharding (small scale): packing, manifest, validation split, determinism, plain tar/webdataset."""
 from __future__ import annotations
 
 import hashlib

@@ -1,4 +1,4 @@
-"""Tokenizer (acceptance 1, small scale): round trip on every document, tiktoken ids == HF ids, hash, specials."""
+"""Tokenizer (small scale): round trip on every document, tiktoken ids == HF ids, hash, specials."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""Depth-bucketed micro-batching: acceptance figures, permutation, optimality (brute force), rank assignment."""
+"""Depth-bucketed micro-batching: target figures, permutation, optimality (brute force), rank assignment."""
 from __future__ import annotations
 
 import itertools
@@ -25,8 +25,8 @@ from megaloop.depth import (
 MU_REC, MICRO_BATCH, GLOBAL_BATCH, STEPS = 8, 32, 256, 500
 
 
-def test_acceptance_executed_passes_ratio():
-    """Acceptance 7: poisson-truncated-full, mu_rec 8, micro-batch 32, global batch 256, averaged over 500 steps."""
+def test_executed_passes_ratio_meets_target():
+    """poisson-truncated-full, mu_rec 8, micro-batch 32, global batch 256, averaged over 500 steps."""
     sampler = make_sampler("poisson-truncated-full", MU_REC, seed=0)
     plain, bucketed = [], []
     for step in range(STEPS):

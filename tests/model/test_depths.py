@@ -1,4 +1,4 @@
-"""Acceptance: with mixed per-sequence depths each sequence equals running it alone at its own depth (1e-5, fp32),
+"""With mixed per-sequence depths each sequence equals running it alone at its own depth (1e-5, fp32),
 with and without truncated backprop; gradients with backprop_depth=k equal a reference that detaches the state
 before the last k steps."""
 import pytest

@@ -1,4 +1,4 @@
-"""Acceptance: one loop step equals the formula u = A_bar*h + Delta*(B e); h' = Core(u) re-derived independently,
+"""One loop step equals the formula u = A_bar*h + Delta*(B e); h' = Core(u) re-derived independently,
 and the encode / decode seams equal the reference forward; converter round trips are bit-exact and strict."""
 import math
 

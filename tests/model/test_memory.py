@@ -1,4 +1,4 @@
-"""Acceptance: the peak memory of a training step does not grow with the number of no-grad steps
+"""The peak memory of a training step does not grow with the number of no-grad steps
 (n = 4, 16, 64: growth <= 10%), measured in fresh processes and printed. A control run with full backprop shows
 that the measurement does see growth when activations are stored."""
 from benchmarks.loop_memory import measure

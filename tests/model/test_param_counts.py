@@ -1,4 +1,4 @@
-"""Acceptance: parameter counts of the built configs equal the reference table, counted on the meta device."""
+"""Parameter counts of the built configs equal the reference table, counted on the meta device."""
 from pathlib import Path
 
 import pytest

@@ -1,4 +1,4 @@
-"""Acceptance: rho(A_bar) < 1 for all parameter values; additive injection has A = I; RDM reports rho(W_1)."""
+"""Rho(A_bar) < 1 for all parameter values; additive injection has A = I; RDM reports rho(W_1)."""
 import numpy as np
 import torch
 from hypothesis import given, settings

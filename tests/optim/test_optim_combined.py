@@ -1,4 +1,4 @@
-"""The combined optimizer: AdamW groups against plain torch AdamW (acceptance 8b), clipping, non-finite skipping and
+"""The combined optimizer: AdamW groups against plain torch AdamW, clipping, non-finite skipping and
 state-dict round trips."""
 
 import copy
@@ -33,7 +33,7 @@ HAND_MULTIPLIERS = [1.0, 1.0, 1.0, 1.0, 2 / 3, 1 / 3]
 
 def make_params(seed=0, dtype=torch.float32):
     """Parameters at an init-like scale (std 0.1), where fp32's resolution is ~1e-8, so that the 1e-7 tolerance of
-    8b is a few ulps (at |p| ~ 3 a single ulp is 2.4e-7)."""
+    the difference is a few ulps (at |p| ~ 3 a single ulp is 2.4e-7)."""
     gen = torch.Generator().manual_seed(seed)
     return {name: torch.nn.Parameter(0.1 * torch.randn(shape, generator=gen, dtype=dtype))
             for name, shape in SHAPES.items()}
@@ -51,7 +51,7 @@ def set_grads(params, grads):
 
 @pytest.mark.parametrize("mode", ["muon", "adamw"])
 def test_adamw_groups_equal_plain_torch_adamw(mode):
-    """8b: our AdamW groups (fused torch AdamW driven by our schedule and clipping) equal a plain for-loop torch
+    """our AdamW groups (fused torch AdamW driven by our schedule and clipping) equal a plain for-loop torch
     AdamW given the hand-computed lr and torch's own clip_grad_norm_, to 1e-7 absolute, over 6 steps."""
     params = make_params()
     ref_params = {name: torch.nn.Parameter(p.detach().clone()) for name, p in params.items()}
@@ -69,7 +69,7 @@ def test_adamw_groups_equal_plain_torch_adamw(mode):
             group["lr"] = 8e-3 * HAND_MULTIPLIERS[step]
         ref.step()
         err = max((params[n].detach() - ref_params[n].detach()).abs().max().item() for n in adamw_names)
-        print(f"8b {mode} step {step}: lr {record.adam_lr:.6f} grad_norm {record.grad_norm:.4f} "
+        print(f"adamw groups {mode} step {step}: lr {record.adam_lr:.6f} grad_norm {record.grad_norm:.4f} "
               f"(torch {ref_norm.item():.4f}) max|ours - torch AdamW| {err:.2e} (tol 1e-7)")
         assert record.adam_lr == pytest.approx(8e-3 * HAND_MULTIPLIERS[step], rel=1e-12)
         assert record.grad_norm == pytest.approx(ref_norm.item(), rel=1e-6)

@@ -2,7 +2,7 @@
 
 Tolerances: with the Polar Express run in float64 (orth_dtype=torch.float64) the step must equal the reference to
 1e-12 (every other operation is float64 too); with the default bf16 iterations the parameter change must match to
-a relative Frobenius error of 0.08 (weight decay 0 there, see the test), the bf16 tolerance of acceptance 8a, since
+a relative Frobenius error of 0.08 (weight decay 0 there, see the test), the bf16 tolerance of the orthogonalisation test, since
 the orthogonalisation dominates it.
 """
 

@@ -1,4 +1,4 @@
-"""Acceptance 8a: the bf16 Polar Express equals an independent float64 implementation of the same iteration.
+"""the bf16 Polar Express equals an independent float64 implementation of the same iteration.
 
 Tolerances (bf16 has a unit roundoff of 2^-9 ~ 2e-3; the first iteration adds terms of size |a|+|b|+|c| ~ 46 that
 cancel to ~1, so each iteration loses a few 1e-3 to 1e-2 relatively): relative Frobenius error <= 0.08 (measured
@@ -73,7 +73,7 @@ def test_bf16_polar_express_matches_float64_reference(case):
         sv = torch.linalg.svdvals(ours)
         sv_ref = torch.linalg.svdvals(ref)
         print(
-            f"8a {case} seed {seed}: rel Frobenius err {rel_fro:.4f} (tol {REL_FRO_TOL}), "
+            f"polar express {case} seed {seed}: rel Frobenius err {rel_fro:.4f} (tol {REL_FRO_TOL}), "
             f"max|diff|/||ref||_F {max_abs:.5f} (tol {MAX_ABS_TOL}), bf16 singular values "
             f"[{sv.min():.3f}, {sv.max():.3f}], float64 [{sv_ref.min():.3f}, {sv_ref.max():.3f}]"
         )

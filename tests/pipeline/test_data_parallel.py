@@ -1,4 +1,4 @@
-"""Acceptance: data-parallel gradients, with per-rank different loop depths and gradient accumulation, equal the
+"""Data-parallel gradients, with per-rank different loop depths and gradient accumulation, equal the
 single-process gradients over the union batch (fp32, 1e-5 relative per tensor); with the reduction after the
 backward and with buckets overlapping the last backward."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Acceptance: megaloop's trainer on parcae-tiny (20 steps, per-sequence depth sampling, gradient accumulation,
+"""Megaloop's trainer on parcae-tiny (20 steps, per-sequence depth sampling, gradient accumulation,
 Muon + AdamW, fp32, gloo) gives the single-process per-step losses within 1e-5 relative under tp2, dp2, tp2 x dp2,
 tp4 and dp4, and GPT and RDM under tp2 x dp2. Polar Express runs in fp32 in every run (see workers_train).
 

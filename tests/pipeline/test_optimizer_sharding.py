@@ -1,4 +1,4 @@
-"""Acceptance: distributed Muon (each matrix orthogonalised by one owner, updates shared) and ZeRO-1 AdamW (state
+"""Distributed Muon (each matrix orthogonalised by one owner, updates shared) and ZeRO-1 AdamW (state
 sharded by elements over dp), driven by megaloop's combined optimizer, equal the single-process optimizer: same
 global grad norm (clipping over tp without double counting) and parameters within 1e-6 after 3 steps; the
 optimizer state per rank is total/dp to within one matrix (printed for dp 1, 2, 4). Polar Express runs in fp32 here

@@ -1,4 +1,4 @@
-"""Acceptance: tensor-parallel forward + backward of parcae-tiny-sized models equals one process (fp32) for tp 2 and
+"""Tensor-parallel forward + backward of parcae-tiny-sized models equals one process (fp32) for tp 2 and
 4, with and without sequence parallelism; logits, loss and every parameter's gradient within 1e-5 relative (fp32
 itself is ~3e-6 away from a float64 run of these models). Vocab-parallel cross-entropy equals the full one."""
 from __future__ import annotations
