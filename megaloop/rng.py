@@ -3,28 +3,22 @@
 Every random quantity of a training step that belongs to one sequence (its loop depth, its initial state h_0) is
 a pure function of this key, so it is the same whatever the rank, the micro-batch or the parallel layout that
 happens to process the sequence. The mixing is SplitMix64, vectorised over sample indices with numpy uint64
-arithmetic (wrap-around is the intended modular arithmetic).
+arithmetic (wrap-around is the intended modular arithmetic), the same finaliser that keys the data order.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from data_prep.order import splitmix64 as _splitmix64
+
 # One stream id per kind of random quantity, so that two quantities of one sample are independent.
 STREAM_DEPTH = 1
 STREAM_H0 = 2
 STREAM_BATCH_DEPTH = 3
+# Second uniform of a per-sequence lognormal depth draw (its rate tau); high bits keep it clear of the ids above.
+STREAM_DEPTH_TAU = (1 << 32) | STREAM_DEPTH
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MUL1 = np.uint64(0xBF58476D1CE4E5B9)
-_MUL2 = np.uint64(0x94D049BB133111EB)
 _MASK63 = np.uint64((1 << 63) - 1)
-
-
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    z = x + _GOLDEN
-    z = (z ^ (z >> np.uint64(30))) * _MUL1
-    z = (z ^ (z >> np.uint64(27))) * _MUL2
-    return z ^ (z >> np.uint64(31))
 
 
 def key_hash(seed: int, step: int, index, stream: int) -> np.ndarray:

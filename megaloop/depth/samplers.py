@@ -29,11 +29,8 @@ from megaloop.depth.poisson import (
     poisson_at_least_one_moments,
     poisson_inverse_cdf,
 )
-from megaloop.rng import STREAM_BATCH_DEPTH, STREAM_DEPTH, key_uniform
+from megaloop.rng import STREAM_BATCH_DEPTH, STREAM_DEPTH, STREAM_DEPTH_TAU, key_uniform
 
-# Sub-stream of STREAM_DEPTH for the second uniform of a per-sequence lognormal draw (the LogNormal rate tau).
-# High bits keep it clear of the small stream ids declared in megaloop.rng.
-STREAM_DEPTH_TAU = (1 << 32) | STREAM_DEPTH
 # Fixed indices of the per-batch uniforms within stream STREAM_BATCH_DEPTH.
 BATCH_INDEX_POISSON = 0
 BATCH_INDEX_TAU = 1
