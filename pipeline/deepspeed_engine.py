@@ -11,10 +11,18 @@ matrix to orthogonalise. Use the native engine (distributed Muon with per-matrix
 Semantics match the native engine: the trainer scales each micro-batch loss by its share of the global token count
 and expects the gradients SUMMED over dp, while DeepSpeed averages over dp and divides by the accumulation steps;
 `backward` therefore multiplies the loss by dp and asks DeepSpeed not to rescale by the accumulation steps.
+
+DeepSpeed's communication layer loads a small shared-memory op that torch JIT-compiles with g++ and ninja on first
+use. scripts/setup.sh builds it once into the virtual environment (`op_cache_dir()`); this module points
+TORCH_EXTENSIONS_DIR there (unless it is set) before DeepSpeed starts, so every process finds that build.
 """
 from __future__ import annotations
 
+import os
+import shutil
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -135,8 +143,37 @@ class DeepSpeedOptimizer:
         self.engine.zero_grad()
 
 
+def op_cache_dir() -> Path:
+    """Where DeepSpeed's JIT-compiled ops live: inside the running virtual environment (built for its torch)."""
+    return Path(sys.prefix) / "torch_extensions"
+
+
+def use_op_cache() -> None:
+    """Point torch's extension builds at op_cache_dir() unless TORCH_EXTENSIONS_DIR is set, and put the
+    environment's own ninja (a DeepSpeed dependency) on PATH when none is there: torch calls `ninja` by name."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(op_cache_dir()))
+    scripts = Path(sys.executable).parent
+    if shutil.which("ninja") is None and (scripts / "ninja").exists():
+        os.environ["PATH"] = f"{scripts}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+def build_comm_op() -> str:
+    """Build (or find already built) the shared-memory comm op that DeepSpeed's communication layer loads on this
+    accelerator, in the cache; says where. Fails with the compiler's message when g++ or ninja is missing."""
+    use_op_cache()
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return f"not used on this accelerator ({get_accelerator().device_name()})"
+    builder.load()
+    return f"ready in {os.environ['TORCH_EXTENSIONS_DIR']}"
+
+
 def initialize_engine(model: torch.nn.Module, config: dict, dp_group=None):
     """deepspeed.initialize on an already started torch.distributed (gloo on CPU, NCCL on GPU)."""
+    use_op_cache()
     import deepspeed
 
     deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False)
@@ -188,6 +225,9 @@ class DeepSpeedRuntime(ParallelRuntime):
         engine.backward(loss * self.layout.dp, scale_wrt_gas=False)
         if self._backwards == self.micro_batches_per_step:
             self._backwards = 0
+
+    def overlap_next_backward(self) -> None:
+        """Nothing: DeepSpeed overlaps its own reduction with the backward (its gradient hooks)."""
 
     def reduce_gradients(self, model=None) -> None:
         """Nothing: DeepSpeed reduced the gradients in its backward."""

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up megaloop on a fresh machine: a virtual environment in .venv with the pinned requirements, and Open MPI
-# (for MPI-parallel data preparation) when it is missing and apt is available. Idempotent; safe to re-run.
+# Set up megaloop on a fresh machine: a virtual environment in .venv with the pinned requirements and DeepSpeed
+# (whose CPU comm op is compiled once into .venv/torch_extensions), Open MPI (for MPI-parallel data preparation) and
+# g++ (for that op) when missing and apt is available. Idempotent; safe to re-run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,7 +15,41 @@ if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv"
   "$PYTHON" -m venv .venv
 fi
-echo "[setup] installing pinned Python packages"
-.venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+echo "[setup] installing pinned Python packages (with DeepSpeed)"
+# one resolution for everything, so that DeepSpeed's torch>=2.0 is met by torch's own pin; no compiled ops at install
+DS_BUILD_OPS=0 .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt \
+  -r requirements-deepspeed.txt
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . >/dev/null
+TORCH_PIN=$(sed -n 's/^torch==//p' requirements.txt)
+TORCH_HAVE=$(.venv/bin/python -c 'import torch; print(torch.__version__.split("+")[0])')
+if [ "$TORCH_HAVE" != "$TORCH_PIN" ]; then
+  echo "[setup] error: torch $TORCH_HAVE is installed but requirements.txt pins $TORCH_PIN; remove .venv and re-run" >&2
+  exit 1
+fi
+
+# DeepSpeed's CPU communication loads a small shared-memory op that torch compiles with g++ and ninja on first use;
+# build it here once (one to two minutes on 2 cores, a few seconds when already built), not in every training process.
+CXX_BIN=${CXX:-c++}
+if ! command -v "$CXX_BIN" >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  echo "[setup] installing g++ (apt), needed to build DeepSpeed's CPU comm op"
+  apt-get update -qq >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends g++ >/dev/null
+fi
+if ! command -v "$CXX_BIN" >/dev/null 2>&1; then
+  echo "[setup] error: no C++ compiler ($CXX_BIN) found; DeepSpeed's CPU comm op needs one: install g++" \
+       "(e.g. apt-get install g++) or set CXX, then re-run" >&2
+  exit 1
+fi
+DS_START=$SECONDS
+DS_LOG=$(mktemp)
+if ! PATH="$PWD/.venv/bin:$PATH" .venv/bin/python -c \
+    'from pipeline.deepspeed_engine import build_comm_op; print("DS_OP", build_comm_op())' >"$DS_LOG" 2>&1; then
+  cat "$DS_LOG" >&2
+  rm -f "$DS_LOG"
+  echo "[setup] error: building DeepSpeed's CPU comm op failed (output above)" >&2
+  exit 1
+fi
+DS_VERSION=$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("deepspeed"))')
+echo "[setup] DeepSpeed $DS_VERSION comm op $(sed -n 's/^DS_OP //p' "$DS_LOG") ($((SECONDS - DS_START)) s)"
+rm -f "$DS_LOG"
 echo "[setup] done: $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)')"
