@@ -16,6 +16,7 @@ class ParallelConfig:
     sequence_parallel: bool | None = None  # None: on when tp > 1
     engine: str = "native"  # native | deepspeed
     zero_stage: int = 1
+    zero_offload: bool = False  # deepspeed engine: optimizer state and step on the CPU (ZeRO-Offload)
     backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | gloo | nccl
 
     def validate(self) -> None:
@@ -62,7 +63,7 @@ class TrainConfig:
     steps: int = 1000
     out_dir: str = "runs/default"
     seed: int = 0
-    precision: str = "bf16"  # fp32 | bf16
+    precision: str = "bf16"  # bf16 | fp32 | fp64 (verification; see megaloop/train/precision.py)
     device: str = "auto"  # auto | cpu | cuda
     log_every: int = 1
     val_every: int = 100
@@ -73,7 +74,7 @@ class TrainConfig:
     def validate(self) -> None:
         if self.steps < 1:
             raise ConfigError("train.steps", self.steps, "must be >= 1")
-        check_choice("train.precision", self.precision, ("fp32", "bf16"))
+        check_choice("train.precision", self.precision, ("bf16", "fp32", "fp64"))
         check_choice("train.device", self.device, ("auto", "cpu", "cuda"))
         for name in ("log_every", "val_every"):
             if getattr(self, name) < 1:

@@ -25,8 +25,34 @@ class Config:
         for section in (self.model, self.parallel, self.data, self.optim, self.train, self.checkpoint):
             section.validate()
         self._validate_batches(world_size)
+        self._validate_engine()
         self._validate_data_dir()
         return self
+
+    def _validate_engine(self) -> None:
+        """What each data-parallel engine can run (see pipeline/runtime.py and pipeline/deepspeed_engine.py)."""
+        p = self.parallel
+        if p.engine == "native":
+            if p.zero_offload:
+                raise ConfigError("parallel.zero_offload", p.zero_offload, "CPU offload of the optimizer runs under "
+                                  "parallel.engine=deepspeed only")
+            if p.zero_stage not in (0, 1):
+                raise ConfigError("parallel.zero_stage", p.zero_stage, "the native engine runs ZeRO stage 0 or 1; "
+                                  "use parallel.engine=deepspeed for stages 2 and 3 (AdamW only)")
+            return
+        reasons = []
+        if p.zero_stage not in (1, 2, 3):
+            reasons.append(f"parallel.zero_stage={p.zero_stage} (DeepSpeed runs stages 1, 2, 3)")
+        if self.optim.name != "adamw":
+            reasons.append(f"optim.name={self.optim.name} (ZeRO partitions matrices by elements, so no rank holds a "
+                           "whole matrix for Muon; use optim.name=adamw or the native engine's distributed Muon)")
+        if p.tp != 1 or p.pp != 1:
+            reasons.append(f"parallel.tp={p.tp}, parallel.pp={p.pp} (DeepSpeed is data-parallel only here; use the "
+                           "native engine for tensor parallelism)")
+        if self.train.precision == "fp64":
+            reasons.append("train.precision=fp64 (a verification precision of the native engine)")
+        if reasons:
+            raise ConfigError("parallel.engine", p.engine, "cannot run " + "; ".join(reasons))
 
     def dp_size(self, world_size: int) -> int:
         if self.parallel.dp is not None:

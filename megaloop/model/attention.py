@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megaloop.model.layers import apply_rope_interleaved, rms_norm_weightless
+from megaloop.model.layers import apply_rope_interleaved, rms_norm_weightless, upcast
 
 
 def _flash_attn_func():
@@ -43,9 +43,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend:
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     if backend == "math":
         s = q.shape[2]
-        scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+        scores = (upcast(q) @ upcast(k).transpose(-1, -2)) * scale
         mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-        out = scores.masked_fill(mask, float("-inf")).softmax(-1) @ v.float()
+        out = scores.masked_fill(mask, float("-inf")).softmax(-1) @ upcast(v)
         return out.to(q.dtype).transpose(1, 2)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(1, 2)
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megaloop.model.layers import upcast
 
 _BELOW_ONE = 1.0 - 2.0 ** -24  # the largest float32 below 1
 
@@ -24,13 +25,13 @@ class DiagonalInjection(nn.Module):
         self.B = nn.Parameter(torch.empty(d, d))
 
     def discretised(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(A_bar, Delta), computed in fp32.
+        """(A_bar, Delta), computed in (at least) fp32.
 
         exp(-x) < 1 for every x > 0, but in fp32 it rounds to exactly 1 once Delta*A < 6e-8 (e.g. A_log -> -20).
         A_bar's value is therefore capped at the largest float below 1, with the gradient passed straight through
         (so a parameter that reaches the cap is not frozen): rho(A_bar) < 1 holds in floating point too."""
-        delta = F.softplus(self.dt_bias.float())
-        a_bar = torch.exp(-delta * torch.exp(self.A_log.float()))
+        delta = F.softplus(upcast(self.dt_bias))
+        a_bar = torch.exp(-delta * torch.exp(upcast(self.A_log)))
         capped = a_bar.clamp(max=_BELOW_ONE)
         return a_bar + (capped - a_bar).detach(), delta
 

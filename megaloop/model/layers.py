@@ -8,8 +8,14 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """x in at least fp32: bf16/fp16 become fp32, fp32 and fp64 stay (the fp64 verification precision stays fp64)."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
 class RMSNorm(nn.Module):
-    """RMSNorm with a learnable weight (init 1), normalised in fp32 then cast back (the reference's recipe)."""
+    """RMSNorm with a learnable weight (init 1), normalised in (at least) fp32 then cast back (the reference's
+    recipe)."""
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -17,7 +23,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = upcast(x)
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return y.type_as(x) * self.weight
 
@@ -27,17 +33,19 @@ def rms_norm_weightless(x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, (x.size(-1),))
 
 
-def rope_tables(head_dim: int, seq_len: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [seq_len, head_dim // 2] in fp32; pair j of a head rotates by pos * base^(-2j/head_dim)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+def rope_tables(head_dim: int, seq_len: int, base: float,
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [seq_len, head_dim // 2], computed on the CPU in `dtype` (fp32 as the reference; fp64 for
+    the fp64 verification precision); pair j of a head rotates by pos * base^(-2j/head_dim)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=dtype) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=dtype), inv_freq)
     return angles.cos(), angles.sin()
 
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent channel pairs (2j, 2j+1) of x [B, S, H, D] in fp32; returns x's dtype."""
+    """Rotate adjacent channel pairs (2j, 2j+1) of x [B, S, H, D] in (at least) fp32; returns x's dtype."""
     s = x.shape[1]
-    pairs = x.float().unflatten(-1, (-1, 2))
+    pairs = upcast(x).unflatten(-1, (-1, 2))
     even, odd = pairs[..., 0], pairs[..., 1]
     c = cos[:s, None, :]
     si = sin[:s, None, :]

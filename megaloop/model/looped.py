@@ -17,7 +17,7 @@ from megaloop.config.model import ModelConfig
 from megaloop.model.block import Block, has_value_embedding
 from megaloop.model.injection import build_injection
 from megaloop.model.init import init_looped_lm_
-from megaloop.model.layers import RMSNorm, rope_tables
+from megaloop.model.layers import RMSNorm, rope_tables, upcast
 from megaloop.model.recurrence import DepthPlan, run_loop
 
 
@@ -66,9 +66,20 @@ class LoopedLM(nn.Module):
     def reset_parameters(self, seed: int = 0) -> None:
         """The reference's scaled-zero orthogonal initialisation, reproducible from `seed`."""
         init_looped_lm_(self, seed)
-        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.seq_len, self.cfg.rope_base)
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.seq_len, self.cfg.rope_base, self.rope_cos.dtype)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+
+    def _apply(self, fn, recurse=True):
+        """Module.to / .double() / .cuda(): the RoPE tables are a function of the config, so after a dtype change
+        they are recomputed in the new dtype (an fp64 model gets fp64 angles, not fp32 ones cast up)."""
+        super()._apply(fn, recurse)
+        dtype = self.rope_cos.dtype
+        if dtype in (torch.float32, torch.float64) and self.rope_cos.device.type != "meta":
+            cos, sin = rope_tables(self.cfg.head_dim, self.cfg.seq_len, self.cfg.rope_base, dtype)
+            self.rope_cos = cos.to(self.rope_cos.device)
+            self.rope_sin = sin.to(self.rope_sin.device)
+        return self
 
     # ---- seams ---------------------------------------------------------------------------------------------
     def value_embedding(self, layer: int, input_ids: torch.Tensor) -> torch.Tensor | None:
@@ -105,8 +116,8 @@ class LoopedLM(nn.Module):
         return self.final_norm(x)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Tied head, logits in fp32."""
-        return F.linear(x, self.embed.weight).float()
+        """Tied head, logits in (at least) fp32."""
+        return upcast(F.linear(x, self.embed.weight))
 
     # ---- forward -------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, depth=None,

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from megaloop.train.step import autocast_for
+from megaloop.train.precision import autocast_for
 
 VAL_NOISE_STEP = -1
 

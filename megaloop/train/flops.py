@@ -12,6 +12,7 @@ uses what ran: every sequence of a micro-batch runs max(n) and max(k) steps.
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -98,8 +99,13 @@ def _ve_gate_params(cfg: ModelConfig, layers) -> int:
     return sum(cfg.kv_heads * cfg.ve_gate_channels for i in layers if has_value_embedding(i, cfg.n_layers))
 
 
+CPU_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
+
+
+@functools.lru_cache(maxsize=None)
 def measure_cpu_peak_tflops(dtype: torch.dtype, size: int = 2048, seconds: float = 0.5) -> float:
-    """A short matmul benchmark: the best sustained TFLOP/s for `dtype` on this machine's CPU threads."""
+    """A short matmul benchmark: the best sustained TFLOP/s for `dtype` on this machine's CPU threads (measured once
+    per process and dtype: runs started from one process, as in the tests, share it)."""
     a = torch.randn(size, size).to(dtype)
     b = torch.randn(size, size).to(dtype)
     a @ b
@@ -121,7 +127,6 @@ def device_peak_tflops(device: torch.device, precision: str) -> tuple[float, str
             if gpu in name and prec == precision:
                 return peak, f"table ({gpu} {prec} dense)"
         return float("nan"), f"no peak known for {name!r} {precision}"
-    peaks = {name: measure_cpu_peak_tflops(dtype) for name, dtype in (("bf16", torch.bfloat16),
-                                                                        ("fp32", torch.float32))}
-    other = "fp32" if precision == "bf16" else "bf16"
+    other = "fp32" if precision != "fp32" else "bf16"
+    peaks = {name: measure_cpu_peak_tflops(CPU_DTYPES[name]) for name in (precision, other)}
     return peaks[precision], f"measured CPU {precision} matmul at start-up; {other}: {peaks[other]:.3f}"

@@ -17,6 +17,7 @@ from megaloop.optim import build_optimizer
 from megaloop.train.data import open_data
 from megaloop.train.evaluate import default_val_depths, final_val_depths, validation_losses
 from megaloop.train.flops import FlopModel, device_peak_tflops
+from megaloop.train.precision import apply_optimizer_precision, param_dtype
 from megaloop.train.metrics import MetricsWriter
 from megaloop.train.progress import Progress
 from megaloop.train.step import train_step
@@ -91,9 +92,12 @@ def train(cfg: Config, runtime=None) -> RunSummary:
     runtime = runtime or make_runtime(cfg, device)
     out_dir = Path(cfg.train.out_dir)
     data = open_data(cfg, runtime.dp_rank, runtime.dp_size)  # fails early on bad data, before the model
-    model = runtime.prepare_model(build_model(cfg.model, device=device, seed=cfg.train.seed))
-    optimizer = runtime.prepare_optimizer(build_optimizer(model.named_parameters(), cfg.optim, cfg.train.steps,
-                                                          norm_sq_reduce=runtime.norm_sq_reduce()))
+    precision = cfg.train.precision
+    model = build_model(cfg.model, device=device, seed=cfg.train.seed).to(param_dtype(precision))
+    model = runtime.prepare_model(model)
+    optimizer = build_optimizer(model.named_parameters(), cfg.optim, cfg.train.steps,
+                                norm_sq_reduce=runtime.norm_sq_reduce())
+    optimizer = runtime.prepare_optimizer(apply_optimizer_precision(optimizer, precision))
     sampler = make_sampler(cfg.model.depth_sampler, cfg.model.mu_rec, cfg.model.backprop_depth, seed=cfg.train.seed)
     flop_model = FlopModel.of(cfg.model)
     # counted on the meta device from the config: under tensor parallelism `model` holds only this rank's shard

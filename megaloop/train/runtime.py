@@ -31,6 +31,10 @@ class SingleProcessRuntime:
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
+    def overlap_next_backward(self) -> None:
+        """Called before the step's last backward (a parallel runtime reduces gradients during it)."""
+        return None
+
     def sum_over_dp(self, value: float) -> float:
         return value
 
@@ -66,7 +70,8 @@ def make_runtime(cfg, device: torch.device):
         from pipeline.deepspeed_engine import DeepSpeedRuntime
 
         return DeepSpeedRuntime(layout, p.zero_stage, d.micro_batch_size,
-                                d.global_batch_size // (layout.dp * d.micro_batch_size), bf16=False)
+                                d.global_batch_size // (layout.dp * d.micro_batch_size), offload=p.zero_offload,
+                                bf16=False)
     from megaloop.model.tp_plan import tensor_parallel_plan
     from megaloop.optim import muon
     from pipeline.dist_muon import MuonFunctions

@@ -2,7 +2,6 @@
 weighted by its true share of tokens, reduce gradients, clip and step. Returns what happened, with timings."""
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -10,6 +9,7 @@ import torch
 
 from megaloop.depth import bucket_microbatches, contiguous_microbatches
 from megaloop.train.flops import FlopModel
+from megaloop.train.precision import autocast_for
 
 
 @dataclass
@@ -24,12 +24,6 @@ class StepStats:
     telemetry: dict = field(default_factory=dict)
     times: dict = field(default_factory=lambda: {"forward": 0.0, "backward": 0.0, "optimizer": 0.0})
     record: object = None
-
-
-def autocast_for(precision: str, device: torch.device):
-    if precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 def plan_microbatches(depths: torch.Tensor, micro_batch_size: int, bucket: bool) -> list:
@@ -47,7 +41,8 @@ def train_step(model, optimizer, batch: dict, depth_sample, step: int, seed: int
     local_tokens = tokens.shape[0] * (tokens.shape[1] - 1)
     global_tokens = runtime.sum_over_dp(float(local_tokens))
     seq = tokens.shape[1] - 1
-    for positions in plan_microbatches(depth_sample.T, cfg.data.micro_batch_size, cfg.train.bucket_depths):
+    plan = plan_microbatches(depth_sample.T, cfg.data.micro_batch_size, cfg.train.bucket_depths)
+    for i, positions in enumerate(plan):
         idx = torch.as_tensor(positions, dtype=torch.long)
         mb = tokens[idx].to(device, non_blocking=True)
         d = depth_sample.select(positions)
@@ -58,6 +53,8 @@ def train_step(model, optimizer, batch: dict, depth_sample, step: int, seed: int
         n_tok = mb.shape[0] * seq
         scaled = out.loss * (n_tok / global_tokens)  # the global batch's token mean, whatever the split
         t1 = time.perf_counter()
+        if i == len(plan) - 1:
+            runtime.overlap_next_backward()  # gradients are final in this backward: reduce buckets as they are
         runtime.backward(scaled)
         stats.times["forward"] += t1 - t0
         stats.times["backward"] += time.perf_counter() - t1

@@ -25,7 +25,7 @@ def no_model_may_be_built(monkeypatch):
     ("model.injection=diagnal", "model.injection", "allowed values: diagonal, additive, concat, none"),
     ("model.depth_sampler=poisson", "model.depth_sampler", "poisson-truncated-full"),
     ("model.n_kv_heads=3", "model.n_kv_heads", "allowed [1, 2, 4]"),
-    ("train.precision=fp16", "train.precision", "fp32, bf16"),
+    ("train.precision=fp16", "train.precision", "bf16, fp32, fp64"),
     ("optim.name=sgd", "name", "muon"),
     ("parallel.pp=2", "parallel.pp", "pipeline parallelism is not available yet"),
     ("checkpoint.every=100", "checkpoint.every", "checkpointing is not available yet"),
@@ -35,6 +35,21 @@ def test_invalid_values_name_field_and_allowed(override, field, allowed):
         load_config(TINY, [override])
     message = str(info.value)
     assert field in message and allowed in message, message
+
+
+@pytest.mark.parametrize("overrides,needles", [
+    (["parallel.zero_stage=2"], ["parallel.zero_stage", "native engine runs ZeRO stage 0 or 1"]),
+    (["parallel.engine=deepspeed"], ["optim.name=muon", "whole matrix"]),
+    (["parallel.engine=deepspeed", "optim.name=adamw", "parallel.tp=2"], ["parallel.tp=2", "tensor parallelism"]),
+    (["parallel.engine=deepspeed", "optim.name=adamw", "parallel.zero_stage=0"], ["stages 1, 2, 3"]),
+    (["parallel.engine=deepspeed", "optim.name=adamw", "train.precision=fp64"], ["train.precision=fp64"]),
+    (["parallel.zero_offload=true"], ["parallel.zero_offload", "deepspeed only"]),
+])
+def test_engine_combinations_checked_up_front(overrides, needles):
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY, overrides)
+    assert all(n in str(info.value) for n in needles), str(info.value)
+    load_config(TINY, ["parallel.engine=deepspeed", "optim.name=adamw", "parallel.zero_stage=3"])
 
 
 def test_unknown_key_suggests_the_closest():

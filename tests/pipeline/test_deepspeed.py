@@ -78,7 +78,8 @@ def worst_param_diff(got: dict, ref: dict) -> tuple[float, float, str]:
 
 @pytest.mark.multiproc
 def test_deepspeed_zero_stages_equal_native_engine(tiny_shards, tmp_path):
-    runs = {label: (overrides(tiny_shards, tmp_path / f"run{i}", extra), offload)
+    runs = {label: (overrides(tiny_shards, tmp_path / f"run{i}", extra) + [f"parallel.zero_offload={offload}"],
+                    offload)
             for i, (label, (extra, offload, _, _)) in enumerate(SETTINGS.items())}
     unequal = overrides(tiny_shards, tmp_path / "zero3_unequal", ZERO[3])
     out = tmp_path / "ds.pt"

@@ -9,14 +9,12 @@ from megaloop.train.loop import train
 from megaloop.train.runtime import SingleProcessRuntime, make_runtime
 from pipeline.tensor_parallel import gather_full
 
-# Polar Express in fp32 (the trainer's fp32 run otherwise orthogonalises in bf16, whose roundings amplify the
-# float reduction-order differences of other layouts to ~1e-3 of single entries).
-ORTH_DTYPE = torch.float32
-
 
 def set_orth_dtype(optimizer) -> None:
-    if getattr(optimizer, "muon", None) is not None:
-        optimizer.muon.orth_dtype = ORTH_DTYPE
+    """Polar Express in at least fp32 (the trainer's fp32 run otherwise orthogonalises in bf16, as the reference
+    does, whose roundings amplify the reduction-order differences of other layouts)."""
+    if getattr(optimizer, "muon", None) is not None and optimizer.muon.orth_dtype == torch.bfloat16:
+        optimizer.muon.orth_dtype = torch.float32
 
 
 class ReferenceRuntime(SingleProcessRuntime):
@@ -52,7 +50,9 @@ def run(config_path: str, overrides: list[str], runtime_factory):
     group = runtime.layout.tp_group if hasattr(runtime, "layout") else None
     params = {n: gather_full(p.detach(), tp_info.shards.get(n) if tp_info else None, group)
               for n, p in runtime.model.named_parameters()}
-    return {"losses": summary.losses, "params": params}
+    reducer = getattr(runtime, "reducer", None)
+    return {"losses": summary.losses, "params": params,
+            "overlapped": reducer.launched_in_backward if reducer is not None and reducer.group is not None else None}
 
 
 def worker(rank: int, world: int, config_path: str, runs: dict, out_path: str) -> None:
