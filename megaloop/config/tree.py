@@ -60,7 +60,13 @@ class Config:
         return max(world_size // (self.parallel.tp * self.parallel.pp), 1)
 
     def _validate_batches(self, world_size: int | None) -> None:
-        d = self.data
+        d, p = self.data, self.parallel
+        if world_size is not None and p.dp is None and world_size % (p.tp * p.pp):
+            fits = [t for t in range(1, world_size + 1)
+                    if world_size % (t * p.pp) == 0 and self.model.n_heads % t == 0 and self.model.kv_heads % t == 0]
+            raise ConfigError("parallel.tp", p.tp, f"the job's {world_size} processes are not a multiple of tp x pp "
+                              f"= {p.tp} x {p.pp}; tp values that fit this job and the model's heads: {fits} (or "
+                              f"launch a multiple of {p.tp * p.pp} processes)")
         dp = self.parallel.dp or (self.dp_size(world_size) if world_size else 1)
         if d.global_batch_size % (d.micro_batch_size * dp):
             raise ConfigError(

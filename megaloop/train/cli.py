@@ -11,11 +11,15 @@ def run_training(cfg: Config) -> int:
     from data_prep.errors import DataPrepError
     from megaloop.config import ConfigError
     from megaloop.train.loop import train
+    from pipeline.layout import LayoutError
 
     try:
         summary = train(cfg)
     except (ConfigError, DataPrepError, FileNotFoundError) as err:
         print(f"megaloop: {err}", file=sys.stderr)
+        return 2
+    except LayoutError as err:
+        print(f"megaloop: parallel layout error: {err}", file=sys.stderr)
         return 2
     if summary.is_main:
         print(format_summary(cfg, summary))

@@ -52,6 +52,14 @@ def test_engine_combinations_checked_up_front(overrides, needles):
     load_config(TINY, ["parallel.engine=deepspeed", "optim.name=adamw", "parallel.zero_stage=3"])
 
 
+def test_world_size_not_a_multiple_of_tp_lists_working_tp():
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY, ["parallel.tp=4"], world_size=6)
+    assert "parallel.tp=4" in str(info.value) and "tp values that fit this job and the model's heads: [1, 2]" in \
+        str(info.value), str(info.value)
+    assert load_config(TINY, ["parallel.tp=2", "data.global_batch_size=48"], world_size=6).dp_size(6) == 3
+
+
 def test_unknown_key_suggests_the_closest():
     with pytest.raises(ConfigError) as info:
         load_config(TINY, ["train.setps=10"])
