@@ -103,37 +103,24 @@ class _ExitTP(torch.autograd.Function):
         return grad, None
 
 
-class _GatherSeq(torch.autograd.Function):
-    @staticmethod
+def _sequence_function(name: str, forward_op, backward_op):
+    """An autograd function applying forward_op along the sequence dim and its conjugate backward_op to the grad."""
+
     def forward(ctx, x, group):
         ctx.group = group
-        return all_gather_along(x, SEQ_DIM, group)
+        return forward_op(x, SEQ_DIM, group)
 
-    @staticmethod
     def backward(ctx, grad):
-        return reduce_scatter_along(grad, SEQ_DIM, ctx.group), None
+        return backward_op(grad, SEQ_DIM, ctx.group), None
+
+    methods = {"forward": staticmethod(forward), "backward": staticmethod(backward)}
+    return type(name, (torch.autograd.Function,), methods)
 
 
-class _ReduceScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter_along(x, SEQ_DIM, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_along(grad, SEQ_DIM, ctx.group), None
-
-
-class _SplitSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return chunk_along(x, SEQ_DIM, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_along(grad, SEQ_DIM, ctx.group), None
+# all-gather <-> reduce-scatter are each other's adjoints; a split's adjoint is the all-gather
+_GatherSeq = _sequence_function("_GatherSeq", all_gather_along, reduce_scatter_along)
+_ReduceScatterSeq = _sequence_function("_ReduceScatterSeq", reduce_scatter_along, all_gather_along)
+_SplitSeq = _sequence_function("_SplitSeq", chunk_along, all_gather_along)
 
 
 def enter_tp(x: torch.Tensor, group) -> torch.Tensor:
