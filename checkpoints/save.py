@@ -1,0 +1,161 @@
+"""Sharded checkpoint saving: every rank calls :meth:`Checkpointer.save` at the same step.
+
+Assumption: every rank sees `root` on one shared file system (NFS, Lustre, GPFS, or one machine's disk) with
+POSIX rename/replace semantics, and ranks coordinate only through `all_gather_object` (one call per save, on the
+training thread) and marker files under `root`; this module never creates or uses a process group itself.
+
+Protocol of one save (the training thread pays only for steps 1-3):
+
+1. wait for the previous save (its SaveResult is kept for :meth:`Checkpointer.take_results`);
+2. snapshot: copy every piece to CPU, so training may change its tensors at once (``stall_s``);
+3. one all_gather_object of each rank's declarations (+ rank 0's random token); every rank computes the same
+   plan (:mod:`checkpoints.plan`): chunk shape per array and which rank writes each chunk (replicas once);
+4. background thread: write this rank's part into ``step_XXXXXXXX.tmp-<token>`` (:mod:`checkpoints.writer`);
+5. rank 0 only: commit once every rank recorded its part (:mod:`checkpoints.commit`).
+
+A failed save is reported (``SaveResult.ok`` False, ``error`` naming the rank, file and array) and never becomes
+``latest``. Ranks other than 0 only know their own part; :func:`wait_committed` tells them when rank 0 committed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import files
+from .commit import commit, wait_committed  # noqa: F401  (wait_committed is part of this module's API)
+from .pieces import Piece, validate_piece
+from .plan import declare, make_plan
+from .writer import WriteJob, run_write
+
+RESERVED_METADATA = ("format", "schema_version", "step", "arrays")
+
+
+@dataclass
+class SaveResult:
+    """The outcome of one save on this rank. On rank 0 `ok` means committed; on other ranks, own part written."""
+
+    step: int
+    path: Path
+    ok: bool
+    error: str | None = None
+    stall_s: float = 0.0        # time the training thread spent in save() (snapshot + gather + plan)
+    write_s: float = 0.0        # background time: writing, hashing, and on rank 0 the commit
+    bytes_written: int = 0      # chunk bytes this rank wrote (replicas count once, on their writer)
+    rank: int = 0
+    token: str = ""
+
+
+class Checkpointer:
+    def __init__(self, root, *, rank: int = 0, world_size: int = 1, all_gather_object: Callable | None = None,
+                 keep: int = 2, async_save: bool = True, commit_timeout_s: float = 600.0,
+                 file_writer: Callable | None = None):
+        if all_gather_object is None and world_size != 1:
+            raise ValueError(f"world_size={world_size} needs all_gather_object (e.g. a wrapper of "
+                             "torch.distributed.all_gather_object); only a world of 1 can do without")
+        if keep < 1:
+            raise ValueError(f"keep={keep}: keep at least the newest checkpoint (keep >= 1)")
+        self.root = Path(root)
+        self.rank, self.world_size, self.keep = rank, world_size, keep
+        self.all_gather_object = all_gather_object or (lambda obj: [obj])
+        self.async_save, self.commit_timeout_s = async_save, commit_timeout_s
+        self.file_writer = file_writer or files.write_file
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ckpt-rank{rank}")
+        self._inflight: Future | None = None
+        self._results: list[SaveResult] = []
+        self._last: SaveResult | None = None
+        self._lock = threading.Lock()
+
+    def save(self, step: int, pieces: list[Piece], metadata: dict) -> None:
+        """Snapshot `pieces`, agree on the plan with the other ranks, and write in the background (or now, when
+        async_save is False). Raises ValueError (on every rank alike) for declarations that cannot be stored."""
+        self.wait()
+        t0 = time.perf_counter()
+        local_error = _check_local(pieces, metadata if self.rank == 0 else {})
+        tensors = {} if local_error else {(p.name, tuple(int(o) for o in p.offsets)): _snapshot(p.tensor)
+                                          for p in pieces}
+        token = os.urandom(8).hex()
+        gathered = self.all_gather_object({"decls": [] if local_error else declare(pieces), "token": token,
+                                           "error": local_error})
+        errors = [f"rank {r}: {g['error']}" for r, g in enumerate(gathered) if g["error"]]
+        if errors:
+            raise ValueError("checkpoint save refused: " + "; ".join(errors))
+        plan = make_plan([g["decls"] for g in gathered])
+        meta = json.loads(json.dumps(metadata)) if self.rank == 0 else {}  # a copy: the caller may change it
+        job = WriteJob(self.root, step, gathered[0]["token"], self.rank, self.world_size, plan, tensors,
+                       meta, self.file_writer, self.commit_timeout_s)
+        stall = time.perf_counter() - t0
+        if self.async_save:
+            self._inflight = self._pool.submit(self._run, job, stall)
+        else:
+            self._finish(self._run(job, stall))
+
+    def wait(self) -> SaveResult | None:
+        """Block until the in-flight save (if any) committed or failed; returns the newest save's result."""
+        fut, self._inflight = self._inflight, None
+        if fut is not None:
+            self._finish(fut.result())
+        return self._last
+
+    def take_results(self) -> list[SaveResult]:
+        """Results of finished saves not taken yet (oldest first), so that a failure is never lost."""
+        with self._lock:
+            out, self._results = self._results, []
+        return out
+
+    def close(self) -> SaveResult | None:
+        """Wait for the in-flight save, then stop the background thread."""
+        result = self.wait()
+        self._pool.shutdown(wait=True)
+        return result
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _finish(self, result: SaveResult) -> None:
+        with self._lock:
+            self._results.append(result)
+            self._last = result
+
+    def _run(self, job: WriteJob, stall: float) -> SaveResult:
+        t0 = time.perf_counter()
+        final = self.root / files.step_dir_name(job.step)
+        result = SaveResult(job.step, final, False, stall_s=stall, rank=self.rank, token=job.token)
+        try:
+            result.bytes_written = run_write(job)
+            if self.rank == 0:
+                commit(self.root, job.step, job.token, self.world_size, self.commit_timeout_s, self.keep)
+            result.ok = True
+        except Exception as exc:  # reported through the result; the training loop decides what to do
+            result.error = f"rank {self.rank}: checkpoint of step {job.step} not committed: {exc}"
+            result.path = job.tmp
+        result.write_s = time.perf_counter() - t0
+        return result
+
+
+def _snapshot(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True).contiguous()
+
+
+def _check_local(pieces: list[Piece], metadata: dict) -> str | None:
+    """What is wrong with this rank's input (None if nothing), found before the gather so every rank can stop."""
+    try:
+        for p in pieces:
+            validate_piece(p)
+        clash = sorted(set(metadata) & set(RESERVED_METADATA))
+        if clash:
+            raise ValueError(f"metadata keys {clash} are reserved for the checkpoint itself; rename them")
+        json.dumps(metadata)
+    except (ValueError, TypeError) as exc:
+        return str(exc)
+    return None
