@@ -28,23 +28,35 @@ def commit(root: Path, step: int, token: str, world_size: int, timeout_s: float,
     tmp = root / files.tmp_dir_name(step, token)
     try:
         parts = _wait_for_parts(tmp, token, world_size, timeout_s)
-    except (CommitError, TimeoutError) as exc:
-        write_aborted(tmp, token, str(exc))
+        _mark_committed(tmp, step, token, parts)
+    except Exception as exc:
+        try:
+            write_aborted(tmp, token, str(exc))
+        except OSError:
+            pass
         raise CommitError(str(exc)) from exc
+    final = _publish(root, tmp, step, token)
+    apply_retention(root, keep, final)
+    return final
+
+
+def _mark_committed(tmp: Path, step: int, token: str, parts: list[dict]) -> None:
+    """manifest.json (every rank's files), then COMMIT, each fsynced: COMMIT present means everything is on disk."""
     merged = {}
-    for part in parts:
+    for rank, part in enumerate(parts):
+        twice = sorted(set(merged) & set(part["files"]))
+        if twice or part.get("algorithm") != files.HASH_ALGORITHM:
+            raise CommitError(f"rank {rank} recorded {twice[:3] or part.get('algorithm')} inconsistently with "
+                              "the other ranks; every rank must run the same checkpoints version")
         merged.update(part["files"])
     files.write_file(tmp / "manifest.json", _json_bytes({
         "format": files.FORMAT + "-manifest", "step": step, "token": token,
         "algorithm": files.HASH_ALGORITHM, "files": dict(sorted(merged.items()))}))
-    for r in range(world_size):
-        (tmp / files.manifest_part_name(r)).unlink(missing_ok=True)
+    for rank in range(len(parts)):
+        (tmp / files.manifest_part_name(rank)).unlink(missing_ok=True)
     (tmp / "READY").unlink(missing_ok=True)
     files.write_file(tmp / "COMMIT", _json_bytes({"step": step, "token": token, "time": time.time()}))
     files.fsync_dir(tmp)
-    final = _publish(root, tmp, step, token)
-    apply_retention(root, keep, final)
-    return final
 
 
 def _json_bytes(obj) -> bytes:
