@@ -14,7 +14,7 @@ from pathlib import Path
 
 from . import files
 from .errors import CheckpointError
-from .pieces import chunk_key
+from .pieces import ITEMSIZE, chunk_key
 from .policy import check_array_json
 
 ALWAYS_PRESENT = {"COMMIT", "manifest.json"}  # not listed in the manifest (written after it)
@@ -37,10 +37,14 @@ def find_problems(path: Path, arrays: dict, manifest: dict, names=None, limit: i
     problems = [] if "metadata.json" in listed else [_say(None, "metadata.json", "missing from manifest.json")]
     for name in scope:
         shape, dtype, chunks = arrays[name]
+        chunk_size = math.prod(chunks) * ITEMSIZE[dtype]
         for rel in [f"{name}/zarr.json", *chunk_files(name, shape, chunks)]:
             owner[rel] = name
             if rel not in listed:
                 problems.append(_say(name, rel, "missing from manifest.json (the file was never recorded)"))
+            elif rel != f"{name}/zarr.json" and listed[rel].get("size") != chunk_size:
+                problems.append(_say(name, rel, f"manifest.json lists {listed[rel].get('size')} bytes but a chunk "
+                                                f"of this array has {chunk_size}"))
     if names is None:
         owner.update({rel: None for rel in listed if rel not in owner})
     problems += _compare(path, listed, [r for r in owner if r in listed], owner)
