@@ -104,8 +104,8 @@ def _publish(root: Path, tmp: Path, step: int, token: str) -> Path:
 
 
 def apply_retention(root: Path, keep: int, current: Path) -> list[Path]:
-    """Delete committed checkpoints beyond the newest `keep` (never `current`, never the one ``latest`` names) and
-    staging directories left by earlier saves. Each victim is renamed first so that a half-deleted directory never
+    """Delete committed checkpoints beyond the newest `keep` (never `current`, never the one ``latest`` names),
+    staging directories left by earlier saves and stale temporary ``latest`` files. Each victim is renamed first so that a half-deleted directory never
     looks committed. Returns the deleted checkpoint paths."""
     protect = {current.name, files.read_latest(root)}
     committed = files.committed_dirs(root)
@@ -117,6 +117,8 @@ def apply_retention(root: Path, keep: int, current: Path) -> list[Path]:
     for path in root.iterdir():
         if files.is_staging_dir(path.name):
             shutil.rmtree(path, ignore_errors=True)
+        elif path.name.startswith("latest.tmp-"):       # left by a crash between writing and replacing `latest`
+            path.unlink(missing_ok=True)
     return victims
 
 

@@ -6,9 +6,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
-from checkpoints import CheckpointReader, find_checkpoints, open_newest_valid
+from checkpoints import CheckpointError, CheckpointReader, find_checkpoints, open_newest_valid
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,10 +51,7 @@ def test_sigkill_mid_save_leaves_the_previous_checkpoint(tmp_path):
     assert find_checkpoints(tmp_path) == [tmp_path / "step_00000001"]
     staged = list(tmp_path.glob("step_00000002.tmp-*"))
     assert len(staged) == 1 and not (staged[0] / "COMMIT").exists()
-    reader = open_newest_valid(tmp_path, on_fallback=lambda msg: (_ for _ in ()).throw(AssertionError(msg)))
+    reader = open_newest_valid(tmp_path, on_fallback=pytest.fail)
     assert reader.step == 1 and torch.equal(reader.read("model/w"), torch.ones(4, 2))
-    try:
+    with pytest.raises(CheckpointError, match="no COMMIT marker"):
         CheckpointReader(staged[0])
-        raise AssertionError("an unfinished save was accepted")
-    except Exception as exc:  # noqa: BLE001 - the exact type is asserted below
-        assert "no COMMIT marker" in str(exc)

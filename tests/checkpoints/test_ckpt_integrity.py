@@ -101,7 +101,10 @@ def test_full_disk_mid_save_keeps_latest_and_reports_the_file(tmp_path):
 
 
 def test_retention_keeps_exactly_keep(tmp_path):
-    save_steps(tmp_path, [10, 20, 30, 40, 50], keep=2)
+    save_steps(tmp_path, [10, 20, 30], keep=2)
+    (tmp_path / "latest.tmp-1-2").write_text("step_00000010\n")   # as left by a crash
+    (tmp_path / "step_00000035.tmp-abc123").mkdir()
+    save_steps(tmp_path, [40, 50], keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000040", "step_00000050"]
     save_steps(tmp_path, [50], keep=2)                          # saving a step again replaces it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000040", "step_00000050"]
