@@ -5,80 +5,29 @@ Reference keys (PARCAE_REFERENCE.md section 9): transformer.wte.weight, transfor
 transformer.adapter.{A_log, dt_bias, B} (diagonal) or transformer.adapter.adapter.weight (linear/concat),
 transformer.C.weight, transformer.ln_f.weight, transformer.ln_prelude.weight, value_embeds.{k}.weight,
 lm_head.weight (the same tensor as wte) and the freqs_cis buffer (regenerated, so ignored).
-Every load is strict: unknown, missing or mis-shaped keys raise an error naming them.
+Every load is strict: unknown, missing or mis-shaped keys raise an error naming them. The key names themselves
+are checkpoints.official's; this module adds the checks that need the model (every shape from the config).
 """
 from __future__ import annotations
 
-import re
-
 import torch
 
+from checkpoints.official import (
+    TIED_HEAD_KEY,
+    ConversionError,
+    megaloop_to_official_key,
+    official_to_megaloop_name,
+    strip_wrappers,
+)
 from megaloop.config.model import ModelConfig
 
-_STACKS = {"prelude": "prelude", "core_block": "core", "coda": "coda"}
-_BLOCK_PARTS = {
-    "norm_1.weight": "norm_1.weight", "norm_2.weight": "norm_2.weight",
-    "norm_3.weight": "norm_3.weight", "norm_4.weight": "norm_4.weight",
-    "attn.c_q.weight": "attn.q.weight", "attn.c_k.weight": "attn.k.weight", "attn.c_v.weight": "attn.v.weight",
-    "attn.c_proj.weight": "attn.proj.weight", "attn.ve_gate.weight": "attn.ve_gate.weight",
-    "mlp.fc.weight": "mlp.fc.weight", "mlp.proj.weight": "mlp.proj.weight",
-}
-_FIXED = {
-    "transformer.wte.weight": "embed.weight",
-    "transformer.adapter.A_log": "injection.A_log",
-    "transformer.adapter.dt_bias": "injection.dt_bias",
-    "transformer.adapter.B": "injection.B",
-    "transformer.adapter.adapter.weight": "injection.W.weight",
-    "transformer.C.weight": "C.weight",
-    "transformer.ln_f.weight": "final_norm.weight",
-    "transformer.ln_prelude.weight": "prelude_norm.weight",
-}
-_IGNORED = ("freqs_cis",)
-_WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+__all__ = ["ConversionError", "from_reference_state_dict", "ours_to_reference_key", "reference_to_ours_key",
+           "to_reference_state_dict"]
 
-
-class ConversionError(KeyError):
-    def __str__(self) -> str:  # KeyError quotes its message; show it plainly
-        return str(self.args[0])
-
-
-def _strip(key: str) -> str:
-    changed = True
-    while changed:
-        changed = False
-        for prefix in _WRAPPER_PREFIXES:
-            if key.startswith(prefix):
-                key, changed = key[len(prefix):], True
-    return key.replace("._orig_mod.", ".")
-
-
-def reference_to_ours_key(key: str) -> str | None:
-    """Our name for a reference key; None for keys that carry no weights (lm_head, buffers)."""
-    key = _strip(key)
-    if key in _IGNORED or key == "lm_head.weight":
-        return None
-    if key in _FIXED:
-        return _FIXED[key]
-    m = re.fullmatch(r"transformer\.(prelude|core_block|coda)\.(\d+)\.(.+)", key)
-    if m and m.group(3) in _BLOCK_PARTS:
-        return f"{_STACKS[m.group(1)]}.{m.group(2)}.{_BLOCK_PARTS[m.group(3)]}"
-    if re.fullmatch(r"value_embeds\.\d+\.weight", key):
-        return key
-    raise ConversionError(f"unknown reference key {key!r}: not a Parcae parameter this converter knows")
-
-
-def ours_to_reference_key(key: str) -> str:
-    inverse_fixed = {v: k for k, v in _FIXED.items()}
-    if key in inverse_fixed:
-        return inverse_fixed[key]
-    inverse_stacks = {v: k for k, v in _STACKS.items()}
-    inverse_parts = {v: k for k, v in _BLOCK_PARTS.items()}
-    m = re.fullmatch(r"(prelude|core|coda)\.(\d+)\.(.+)", key)
-    if m and m.group(3) in inverse_parts:
-        return f"transformer.{inverse_stacks[m.group(1)]}.{m.group(2)}.{inverse_parts[m.group(3)]}"
-    if re.fullmatch(r"value_embeds\.\d+\.weight", key):
-        return key
-    raise ConversionError(f"our key {key!r} has no reference counterpart")
+# The pure name mapping lives in checkpoints.official (shared with `python -m checkpoints convert`).
+reference_to_ours_key = official_to_megaloop_name
+ours_to_reference_key = megaloop_to_official_key
+_strip = strip_wrappers
 
 
 def _expected_shapes(model_config: ModelConfig) -> dict[str, torch.Size]:
@@ -100,7 +49,7 @@ def from_reference_state_dict(state_dict: dict, model_config: ModelConfig) -> di
         except ConversionError as err:
             problems.append(str(err))
             continue
-        if _strip(key) == "lm_head.weight":
+        if _strip(key) == TIED_HEAD_KEY:
             head = tensor
         if ours is None:
             continue
@@ -128,5 +77,5 @@ def to_reference_state_dict(state_dict: dict, model_config: ModelConfig) -> dict
     if unknown or missing:
         raise ConversionError(f"state_dict does not match the model config: unknown {unknown}, missing {missing}")
     out = {ours_to_reference_key(k): v for k, v in state_dict.items()}
-    out["lm_head.weight"] = out["transformer.wte.weight"]
+    out[TIED_HEAD_KEY] = out[ours_to_reference_key("embed.weight")]
     return out
