@@ -16,6 +16,10 @@ For a matrix with owner (dp_o, tp_o), per step:
 
 Optimizer state lives only on owners, so per rank it is the total over (dp x tp) to within one matrix.
 The gradients must already be summed over dp (and over tp for sequence-parallel partial sums).
+
+Checkpoints: the owner of a matrix holds its whole state, so :meth:`DistributedMuon.sharded_state` hands out the
+full arrays keyed by parameter name, and :meth:`DistributedMuon.load_sharded_state` reads the matrices this rank
+owns under the current layout, whatever layout saved them.
 """
 from __future__ import annotations
 
@@ -181,3 +185,25 @@ class DistributedMuon(torch.optim.Optimizer):
                 out[i] = flat[offset:offset + n].view(params[i].shape)
                 offset += n
         return out
+
+    # ---- layout-free state for checkpoints ------------------------------------------------------------------
+    def sharded_state(self, prefix: str) -> list[tuple]:
+        """Entries (f"{prefix}/{key}/{name}", name, full-matrix state tensor, False) of the matrices this rank owns."""
+        return [(f"{prefix}/{key}/{self.names[index]}", self.names[index], tensor, False)
+                for index, state in sorted(self.owned_state.items()) for key, tensor in state.items()]
+
+    @torch.no_grad()
+    def load_sharded_state(self, read, prefix: str) -> None:
+        """Load the state of every matrix this rank owns: read(array, name, sharded=False) returns the whole array,
+        or None when the checkpoint holds no state for it (the matrix then starts fresh, as it would have)."""
+        self.owned_state = {}
+        for index in self.owned():
+            name = self.names[index]
+            like = torch.empty(self.full_shapes[index], dtype=self.param_groups[0]["params"][index].dtype,
+                               device=self.param_groups[0]["params"][index].device)
+            fresh = self.fns.init_state(like)
+            loaded = {key: read(f"{prefix}/{key}/{name}", name, False) for key in fresh}
+            if any(t is None for t in loaded.values()):
+                continue
+            self.owned_state[index] = {key: loaded[key].to(dtype=t.dtype, device=t.device).reshape(t.shape)
+                                       for key, t in fresh.items()}

@@ -104,7 +104,8 @@ class ParallelRuntime:
         if adamw is not None and dp_sharded:
             g = adamw.param_groups[0]
             optimizer.adamw = ZeroAdamW(g["params"], self.layout.dp_group, lr=g["lr"], betas=g["betas"],
-                                        eps=g["eps"], weight_decay=g["weight_decay"], fused=g.get("fused"))
+                                        eps=g["eps"], weight_decay=g["weight_decay"], fused=g.get("fused"),
+                                        names=optimizer.adamw_names)
         return optimizer
 
     # ---- metrics and lifecycle ------------------------------------------------------------------------------
@@ -116,6 +117,33 @@ class ParallelRuntime:
 
     def mean_over_dp(self, value: float) -> float:
         return self.sum_over_dp(value) / self.layout.dp
+
+    def world_max(self, value: float) -> float:
+        """The maximum of `value` over every rank of the job (the agreed stop, checkpoint verification)."""
+        if not dist.is_initialized():
+            return value
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self._comm_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t[0])
+
+    def all_gather_object(self, obj) -> list:
+        """Every rank's `obj`, in rank order (small, picklable objects made by this job's own processes)."""
+        if not dist.is_initialized():
+            return [obj]
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+
+    # ---- layout facts for layout-free checkpoints ------------------------------------------------------------
+    tp_rank = property(lambda self: self.layout.tp_rank)
+
+    def shard_spec(self, name: str):
+        """How parameter `name` is split over tp (a ShardSpec), or None when this rank holds it whole."""
+        return self.tp_info.shards.get(name) if self.layout.tp > 1 else None
+
+    def describe_layout(self) -> dict:
+        return {"world_size": self.layout.world_size, "tp": self.layout.tp, "pp": self.layout.pp,
+                "dp": self.layout.dp, "engine": "native", "zero_stage": self.zero_stage}
 
     def _comm_device(self) -> torch.device:
         return self.layout.device if self.layout.backend == "nccl" else torch.device("cpu")

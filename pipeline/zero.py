@@ -8,6 +8,10 @@ parameters. exp_avg and exp_avg_sq therefore take 1/dp of the bytes on each rank
 
 Difference from torch's AdamW over the whole list: a parameter without a gradient is stepped with a zero gradient
 (its moments still decay) instead of being skipped; every parameter of the looped LM gets a gradient every step.
+
+Checkpoints see layout-free state (:meth:`ZeroAdamW.sharded_state`): per parameter, exp_avg and exp_avg_sq shaped like
+the parameter (this rank's tensor-parallel shard of it), assembled by one all-gather of the flat moments over dp, so
+a checkpoint saved at one dp size loads at any other (:meth:`ZeroAdamW.load_sharded_state` takes its slice back).
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from pipeline.collectives import all_gather_along, group_size
 @dataclass
 class _FlatShard:
     params: list[torch.Tensor]
+    names: list[str]
     numel: int
     shard_len: int
     start: int
@@ -33,25 +38,28 @@ class ZeroAdamW(torch.optim.Optimizer):
     torch's AdamW, so a scheduler that rewrites group["lr"] drives it unchanged."""
 
     def __init__(self, params, dp_group, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01, fused: bool | None = None):
-        params = [p for p in params if p.requires_grad]
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+                 weight_decay: float = 0.01, fused: bool | None = None, names: list[str] | None = None):
+        params = list(params)
+        names = list(names) if names is not None else [f"param{i}" for i in range(len(params))]
+        named = [(n, p) for n, p in zip(names, params, strict=True) if p.requires_grad]
+        super().__init__([p for _, p in named], dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.dp_group = dp_group
         self.dp = group_size(dp_group)
         self.dp_rank = 0 if dp_group is None else dist.get_rank(dp_group)
-        self.shards = [self._make_shard([p for p in params if p.dtype == dtype])
-                       for dtype in dict.fromkeys(p.dtype for p in params)]
+        self.shards = [self._make_shard([(n, p) for n, p in named if p.dtype == dtype])
+                       for dtype in dict.fromkeys(p.dtype for _, p in named)]
         kwargs = {"fused": fused} if fused is not None else {}
         self.inner = torch.optim.AdamW([s.master for s in self.shards], lr=lr, betas=tuple(betas), eps=eps,
                                        weight_decay=weight_decay, **kwargs)
 
-    def _make_shard(self, params: list[torch.Tensor]) -> _FlatShard:
+    def _make_shard(self, named: list[tuple[str, torch.Tensor]]) -> _FlatShard:
+        params = [p for _, p in named]
         numel = sum(p.numel() for p in params)
         shard_len = -(-numel // self.dp)
         start = self.dp_rank * shard_len
         flat = self._flatten([p.detach() for p in params], shard_len * self.dp)
         master = torch.nn.Parameter(flat[start:start + shard_len].clone())
-        return _FlatShard(params, numel, shard_len, start, master)
+        return _FlatShard(params, [n for n, _ in named], numel, shard_len, start, master)
 
     @staticmethod
     def _flatten(tensors: list[torch.Tensor], padded: int) -> torch.Tensor:
@@ -83,3 +91,44 @@ class ZeroAdamW(torch.optim.Optimizer):
             for p in shard.params:
                 p.copy_(full[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
+
+    # ---- layout-free state for checkpoints ------------------------------------------------------------------
+    MOMENTS = ("exp_avg", "exp_avg_sq")
+
+    @torch.no_grad()
+    def sharded_state(self, prefix: str) -> tuple[list[tuple], dict[str, float]]:
+        """(entries, steps): entries (f"{prefix}/{moment}/{name}", name, tensor shaped like the parameter, True)
+        from one all-gather of each flat moment over dp (collective: every dp rank calls it), and the step count of
+        every parameter that has state."""
+        entries, steps = [], {}
+        for shard in self.shards:
+            state = self.inner.state.get(shard.master)
+            if not state:
+                continue
+            for moment in self.MOMENTS:
+                full = all_gather_along(state[moment].detach(), 0, self.dp_group)
+                offset = 0
+                for name, p in zip(shard.names, shard.params):
+                    entries.append((f"{prefix}/{moment}/{name}", name, full[offset:offset + p.numel()].view(p.shape),
+                                    True))
+                    offset += p.numel()
+            steps.update({name: float(state["step"]) for name in shard.names})
+        return entries, steps
+
+    @torch.no_grad()
+    def load_sharded_state(self, read, prefix: str, steps: dict[str, float]) -> None:
+        """Take this rank's slice of every flat moment from per-parameter arrays: read(array, name, sharded=True)
+        returns the tensor shaped like this rank's parameter, or None when the checkpoint has no such state."""
+        inner_state = {}
+        for index, shard in enumerate(self.shards):
+            if not all(name in steps for name in shard.names):
+                continue
+            moments = {}
+            for moment in self.MOMENTS:
+                tensors = [read(f"{prefix}/{moment}/{name}", name, True) for name in shard.names]
+                flat = self._flatten([t.to(shard.master.dtype) for t in tensors], shard.shard_len * self.dp)
+                moments[moment] = flat[shard.start:shard.start + shard.shard_len].clone()
+            inner_state[index] = {"step": torch.tensor(steps[shard.names[0]], dtype=torch.float32), **moments}
+        saved = self.inner.state_dict()
+        saved["state"] = inner_state
+        self.inner.load_state_dict(saved)

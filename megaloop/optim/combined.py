@@ -187,6 +187,93 @@ class CombinedOptimizer:
         self.num_skipped = int(state["num_skipped"])
 
 
+MUON_PREFIX = "optim/muon"
+ADAMW_PREFIX = "optim/adamw"
+ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def sharded_state(opt: CombinedOptimizer) -> tuple[list[tuple], dict[str, Any]]:
+    """The optimizer's state without its layout, for checkpoints: (entries, scalars).
+
+    entries are (array name, parameter name, tensor, sharded) tuples: Muon's momentum_buffer / second_moment under
+    optim/muon/<key>/<name> (whole matrices), AdamW's exp_avg / exp_avg_sq under optim/adamw/<key>/<name> (shaped
+    like this rank's parameter, i.e. its tensor-parallel shard: sharded=True). Distributed inner optimizers
+    (distributed Muon, ZeRO-1 AdamW) provide their own entries. scalars: counters and AdamW step counts (JSON).
+    """
+    entries: list[tuple] = []
+    adamw_steps: dict[str, float] = {}
+    if opt.muon is not None:
+        if hasattr(opt.muon, "sharded_state"):
+            entries += opt.muon.sharded_state(MUON_PREFIX)
+        else:
+            for name, p in zip(opt.muon_names, opt.muon.param_groups[0]["params"]):
+                entries += [(f"{MUON_PREFIX}/{key}/{name}", name, t, False) for key, t in opt.muon.state[p].items()]
+    if opt.adamw is not None:
+        if hasattr(opt.adamw, "sharded_state"):
+            more, adamw_steps = opt.adamw.sharded_state(ADAMW_PREFIX)
+            entries += more
+        else:
+            for name, p in zip(opt.adamw_names, opt.adamw.param_groups[0]["params"]):
+                state = opt.adamw.state.get(p)
+                if state:
+                    entries += [(f"{ADAMW_PREFIX}/{key}/{name}", name, state[key], True) for key in ADAMW_MOMENTS]
+                    adamw_steps[name] = float(state["step"])
+    scalars = {"format": STATE_FORMAT, "iteration": opt.iteration, "num_skipped": opt.num_skipped,
+               "muon_names": list(opt.muon_names), "adamw_names": list(opt.adamw_names), "adamw_step": adamw_steps}
+    return entries, scalars
+
+
+@torch.no_grad()
+def load_sharded_state(opt: CombinedOptimizer, read: Callable, scalars: dict[str, Any]) -> None:
+    """Restore :func:`sharded_state` under any layout: read(array, name, sharded) returns the whole array
+    (sharded=False) or this rank's shard of it (True), or None when the checkpoint has no such array."""
+    if scalars.get("format") != STATE_FORMAT:
+        raise ValueError(f"not a {STATE_FORMAT} optimizer state (format = {scalars.get('format')!r})")
+    for key, names in (("muon_names", opt.muon_names), ("adamw_names", opt.adamw_names)):
+        if sorted(scalars[key]) != sorted(names):
+            raise ValueError(f"optimizer state was saved for other parameters ({key} differ); build the optimizer "
+                             "from the same model and config, or load the weights only")
+    steps = {k: float(v) for k, v in scalars["adamw_step"].items()}
+    if opt.muon is not None:
+        if hasattr(opt.muon, "load_sharded_state"):
+            opt.muon.load_sharded_state(read, MUON_PREFIX)
+        else:
+            _load_plain_muon(opt, read)
+    if opt.adamw is not None:
+        if hasattr(opt.adamw, "load_sharded_state"):
+            opt.adamw.load_sharded_state(read, ADAMW_PREFIX, steps)
+        else:
+            _load_plain_adamw(opt, read, steps)
+    opt.iteration = int(scalars["iteration"])
+    opt.num_skipped = int(scalars["num_skipped"])
+
+
+def _load_plain_muon(opt: CombinedOptimizer, read: Callable) -> None:
+    from .muon import init_muon_state
+
+    opt.muon.state.clear()
+    for name, p in zip(opt.muon_names, opt.muon.param_groups[0]["params"]):
+        fresh = init_muon_state(p)
+        loaded = {key: read(f"{MUON_PREFIX}/{key}/{name}", name, False) for key in fresh}
+        if all(t is not None for t in loaded.values()):
+            opt.muon.state[p] = {key: loaded[key].to(dtype=t.dtype, device=t.device).reshape(t.shape)
+                                 for key, t in fresh.items()}
+
+
+def _load_plain_adamw(opt: CombinedOptimizer, read: Callable, steps: dict[str, float]) -> None:
+    params = opt.adamw.param_groups[0]["params"]
+    state = {}
+    for index, (name, p) in enumerate(zip(opt.adamw_names, params)):
+        if name not in steps:
+            continue
+        moments = {key: read(f"{ADAMW_PREFIX}/{key}/{name}", name, True) for key in ADAMW_MOMENTS}
+        state[index] = {"step": torch.tensor(steps[name], dtype=torch.float32),
+                        **{key: t.to(dtype=p.dtype, device=p.device).reshape(p.shape) for key, t in moments.items()}}
+    saved = opt.adamw.state_dict()
+    saved["state"] = state
+    opt.adamw.load_state_dict(saved)
+
+
 def build_optimizer(
     named_params: Iterable[tuple[str, Tensor]],
     cfg: OptimConfig,
