@@ -287,8 +287,9 @@ class ShardAssembler:
         counts = {"files_listed": len(self.sources_out), "files_used": len(used),
                   "files_skipped": sum(skipped.values()), "skipped_by_reason": skipped,
                   "text_bytes": sum(e["size"] for e in used),
-                  "replaced_bytes": sum(e["replaced_bytes"] for e in self.sources_out),
-                  "files_with_replaced_bytes": sum(1 for e in self.sources_out if e["replaced_bytes"])}
+                  # text that went into the shards only: a skipped file's bytes are in sources[], not here
+                  "replaced_bytes": sum(e["replaced_bytes"] for e in used),
+                  "files_with_replaced_bytes": sum(1 for e in used if e["replaced_bytes"])}
         tok = self.tok
         return {
             "format": FORMAT, "format_version": FORMAT_VERSION, "data_prep_version": __version__,

@@ -144,10 +144,10 @@ def _read_training_texts(input_dir, glob: str, max_bytes: int | None, progress: 
     bar = tqdm(total=sum(s.size for s in sources), unit="B", unit_scale=True, desc="reading", disable=not progress)
     for doc in iter_documents(input_dir, sources, DEFAULT_MAX_INVALID_FRACTION):
         bar.update(doc.size)
-        summary["replaced_bytes"] += doc.replaced_bytes
         if doc.skip_reason:
             summary["skipped"][doc.skip_reason] = summary["skipped"].get(doc.skip_reason, 0) + 1
             continue
+        summary["replaced_bytes"] += doc.replaced_bytes  # only text that is trained on
         texts.append(doc.text)
         summary["files"] += 1
         summary["text_bytes"] += doc.size

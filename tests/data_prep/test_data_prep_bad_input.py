@@ -165,3 +165,18 @@ def test_a_split_left_empty_by_skipped_files_is_an_error(small_corpus, chapters_
     with pytest.raises(NotEnoughTokensError, match="split is empty .*skipped.*What to do: check the skipped"):
         prepare_shards(corpus, chapters_tokenizer.directory, tmp_path / "out", _options(val_fraction=0.5))
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_replaced_byte_counts_cover_only_files_that_were_used(small_corpus, chapters_tokenizer, tmp_path):
+    corpus = tmp_path / "in"
+    corpus.mkdir()
+    text = (small_corpus / sorted(p.name for p in small_corpus.iterdir())[0]).read_bytes()[:3000]
+    (corpus / "stray.txt").write_bytes(b"Stray \xff\xfe bytes and a cut \xe2\x82 char. " + text)
+    (corpus / "garbage.txt").write_bytes(bytes(range(128, 256)) * 100)   # mostly invalid: skipped, 12800 replaced
+    (corpus / "z_clean.txt").write_bytes(text)
+    manifest = prepare_shards(corpus, chapters_tokenizer.directory, tmp_path / "out", _options())
+    counts = manifest["counts"]
+    assert counts["skipped_by_reason"] == {"mostly invalid UTF-8": 1}
+    assert counts["replaced_bytes"] == 4 and counts["files_with_replaced_bytes"] == 1, counts
+    tok = train_tokenizer(corpus, tmp_path / "tok", vocab_size=300, progress=False)
+    assert tok.config["training_corpus"]["replaced_bytes"] == 4
