@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .errors import DataPrepError
 from .prepare import (ShardAssembler, ShardOptions, assemble_and_write, iter_encoded, plan_corpus,
-                      prepare_output_dir, progress_bar)
+                      prepare_output_dir, progress_bar, staging_dir)
 from .tokenizer import load_tokenizer
 
 MPI_ENV_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS", "HYDRA_CONTROL_FD")
@@ -85,7 +85,7 @@ def _root_plan(input_dir, tokenizer_dir, output_dir, options: ShardOptions):
     options.validate()
     tok = load_tokenizer(tokenizer_dir, encoder=options.encoder)
     plan = plan_corpus(input_dir, tok, options)
-    prepare_output_dir(Path(output_dir), options.overwrite)
+    prepare_output_dir(Path(output_dir), options.overwrite)   # shards are written to staging_dir(output_dir)
     return plan, tok
 
 
@@ -112,7 +112,7 @@ def prepare_shards_mpi(input_dir, tokenizer_dir, output_dir, options: ShardOptio
     if rank != 0:
         _encode_and_send(comm, plan, blocks[rank], tokenizer_dir, options)
         return None
-    assembler = ShardAssembler(plan, tok, options, Path(output_dir))
+    assembler = ShardAssembler(plan, tok, options, staging_dir(Path(output_dir)))
     bar = progress_bar(sum(plan.sources[i].size for i in plan.tasks()), options.progress)
     documents = _documents_at_root(comm, plan, blocks, tokenizer_dir, options, tok)
-    return assemble_and_write(assembler, documents, bar)
+    return assemble_and_write(assembler, documents, bar, Path(output_dir))

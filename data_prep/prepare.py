@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing
+import os
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,6 +33,7 @@ VAL_SPLIT_SALT = "data_prep-val-split:"
 CORPUS_CHECK_DOCS = 8
 CORPUS_CHECK_CHARS = 16384
 TOKENIZER_SUBDIR = "tokenizer"
+STAGING_SUBDIR = ".incoming"  # hidden: readers and a later --input walk never see it
 
 
 @dataclass
@@ -305,17 +307,61 @@ class ShardAssembler:
         }
 
 
-def prepare_output_dir(out_dir: Path, overwrite: bool) -> None:
-    """Create the output directory; refuse to mix with earlier shards unless overwrite (then remove only ours)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+def _our_outputs(out_dir: Path) -> list[Path]:
+    """What a finished run leaves in an output directory: shards, manifest and tokenizer copy (nothing else)."""
     ours = [out_dir / MANIFEST_FILE, out_dir / TOKENIZER_SUBDIR]
-    ours += [p for split in SPLITS for p in out_dir.glob(f"{split}-[0-9][0-9][0-9][0-9][0-9][0-9].tar")]
-    existing = [p for p in ours if p.exists()]
+    ours += [p for split in SPLITS for p in sorted(out_dir.glob(f"{split}-[0-9][0-9][0-9][0-9][0-9][0-9].tar"))]
+    return [p for p in ours if p.exists()]
+
+
+def staging_dir(out_dir: Path) -> Path:
+    """Where a run writes its shards until they are complete (inside the output, so the final moves are renames)."""
+    return Path(out_dir) / STAGING_SUBDIR
+
+
+def prepare_output_dir(out_dir: Path, overwrite: bool) -> Path:
+    """Check the output directory and make an empty staging directory in it; returns the staging directory.
+
+    Earlier shards are refused unless overwrite. With overwrite they stay in place, untouched and readable, until the
+    new set is complete (publish_outputs swaps them), so an interrupted or failed run loses nothing.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DataPrepError(f"--output {out_dir} is a file, not a directory",
+                            "pass a directory for --output (it is created when missing)")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DataPrepError(f"cannot create --output {out_dir} ({err.strerror})",
+                            "choose a writable location for --output") from err
+    existing = _our_outputs(out_dir)
     if existing and not overwrite:
         raise DataPrepError(f"{out_dir} already holds shards or a manifest ({existing[0].name})",
                             "choose another --output or pass --overwrite")
-    for path in existing:
+    staging = staging_dir(out_dir)
+    if staging.exists():          # left behind by a run that was killed
+        shutil.rmtree(staging)
+    staging.mkdir()
+    return staging
+
+
+def publish_outputs(staging: Path, out_dir: Path) -> None:
+    """Swap a complete staged set (shards, tokenizer copy, manifest) for whatever the output held before.
+
+    The old manifest goes first and the new one is moved in last, so at every moment the directory either is a
+    complete dataset or has no manifest (which every reader reports as incomplete); this window lasts only for a
+    few renames, while the long encoding and writing happen entirely in the staging directory.
+    """
+    old_manifest = out_dir / MANIFEST_FILE
+    if old_manifest.exists():
+        old_manifest.unlink()
+    for path in _our_outputs(out_dir):
         shutil.rmtree(path) if path.is_dir() else path.unlink()
+    for path in sorted(staging.iterdir()):
+        if path.name != MANIFEST_FILE:
+            os.replace(path, out_dir / path.name)
+    os.replace(staging / MANIFEST_FILE, old_manifest)
+    staging.rmdir()
 
 
 def progress_bar(total_bytes: int, enabled: bool):
@@ -330,31 +376,34 @@ def prepare_shards(input_dir, tokenizer_dir, output_dir, options: ShardOptions) 
     tok = load_tokenizer(tokenizer_dir, encoder=options.encoder)
     plan = plan_corpus(input_dir, tok, options)
     out_dir = Path(output_dir)
-    prepare_output_dir(out_dir, options.overwrite)
-    assembler = ShardAssembler(plan, tok, options, out_dir)
+    staging = prepare_output_dir(out_dir, options.overwrite)
+    assembler = ShardAssembler(plan, tok, options, staging)
     bar = progress_bar(sum(plan.sources[i].size for i in plan.tasks()), options.progress)
     documents = iter_encoded(plan, plan.tasks(), tokenizer_dir, options.workers, options.max_invalid_fraction, tok)
-    return assemble_and_write(assembler, documents, bar)
+    return assemble_and_write(assembler, documents, bar, out_dir)
 
 
-def assemble_and_write(assembler: ShardAssembler, documents, bar) -> dict:
-    """Feed documents (in file order) to the assembler, then write the tokenizer copy and the manifest last.
+def assemble_and_write(assembler: ShardAssembler, documents, bar, out_dir: Path) -> dict:
+    """Feed documents (in file order) to the assembler, which writes into its staging directory; then add the
+    tokenizer copy and the manifest there and publish the whole set into out_dir.
 
-    On any error the shards written so far are removed, so a failed run leaves no half-made dataset behind.
+    On any error (or an interrupt) the staging directory is removed and out_dir is left exactly as it was: no
+    half-made dataset, and shards that --overwrite was going to replace are still there and readable.
     """
-    out_dir = assembler.out_dir
+    staging = assembler.out_dir
     try:
         for doc in documents:
             assembler.add(doc)
             bar.update(doc.size)
         bar.close()
         manifest = assembler.finish()
+        copy_tokenizer_files(assembler.tok, staging / TOKENIZER_SUBDIR)
+        write_manifest(staging, manifest)
     except BaseException:
         bar.close()
         if hasattr(documents, "close"):
             documents.close()
-        prepare_output_dir(out_dir, overwrite=True)
+        shutil.rmtree(staging, ignore_errors=True)
         raise
-    copy_tokenizer_files(assembler.tok, out_dir / TOKENIZER_SUBDIR)
-    write_manifest(out_dir, manifest)
+    publish_outputs(staging, Path(out_dir))
     return manifest

@@ -180,3 +180,41 @@ def test_replaced_byte_counts_cover_only_files_that_were_used(small_corpus, chap
     assert counts["replaced_bytes"] == 4 and counts["files_with_replaced_bytes"] == 1, counts
     tok = train_tokenizer(corpus, tmp_path / "tok", vocab_size=300, progress=False)
     assert tok.config["training_corpus"]["replaced_bytes"] == 4
+
+
+class _Interrupt(KeyboardInterrupt):
+    pass
+
+
+@pytest.mark.parametrize("failure", [RuntimeError("disk full"), _Interrupt()])
+def test_interrupted_overwrite_leaves_the_old_shards_intact(shard_copy, small_corpus, chapters_tokenizer,
+                                                           monkeypatch, failure):
+    from data_prep import shard_writer
+
+    before = {p.name: p.read_bytes() for p in shard_copy.iterdir() if p.is_file()}
+    real_add = shard_writer.SplitShardWriter.add_rows
+    calls = []
+
+    def failing_add(self, rows):
+        calls.append(len(rows))
+        if len(calls) == 5:                   # mid-write: some new shards already exist
+            raise failure
+        return real_add(self, rows)
+
+    monkeypatch.setattr(shard_writer.SplitShardWriter, "add_rows", failing_add)
+    with pytest.raises(type(failure)):
+        prepare_shards(small_corpus, chapters_tokenizer.directory, shard_copy,
+                       _options(seq_len=32, overwrite=True, val_fraction=0.1))
+    assert len(calls) == 5
+    after = {p.name: p.read_bytes() for p in shard_copy.iterdir() if p.is_file()}
+    assert after == before, "the old shards and manifest must be left exactly as they were"
+    assert sorted(p.name for p in shard_copy.iterdir() if p.is_dir()) == ["tokenizer"], "no staging left behind"
+    assert inspect_shards(shard_copy, "full", progress=False, out=io.StringIO()) == 0
+    assert ShardDataset(shard_copy, verify="full")[0].shape == (SEQ_LEN + 1,)
+
+    monkeypatch.setattr(shard_writer.SplitShardWriter, "add_rows", real_add)   # a complete overwrite swaps
+    manifest = prepare_shards(small_corpus, chapters_tokenizer.directory, shard_copy,
+                              _options(seq_len=32, overwrite=True, val_fraction=0.1))
+    names = {s["name"] for split in manifest["splits"].values() for s in split["shards"]}
+    assert {p.name for p in shard_copy.glob("*.tar")} == names
+    assert read_manifest(shard_copy)["seq_len"] == 32 and ShardDataset(shard_copy)[0].shape == (33,)
