@@ -137,8 +137,20 @@ def _print_shard_summary(manifest: dict, seconds: float, ranks: int, workers: in
 
 
 def run_inspect(args) -> int:
-    from .inspect_cmd import inspect_shards
+    from pathlib import Path
 
+    from .inspect_cmd import inspect_shards
+    from .manifest import read_manifest
+
+    if args.sample_tokens < 0:
+        raise DataPrepError(f"--sample-tokens must be >= 0, got {args.sample_tokens}", "pass e.g. --sample-tokens 96")
+    if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
+        raise DataPrepError(f"--tokenizer {args.tokenizer} is not a directory",
+                            "pass the directory written by `python -m data_prep tokenizer`, or leave --tokenizer out "
+                            "to use the copy in SHARD_DIR/tokenizer")
+    splits = sorted(read_manifest(args.shard_dir)["splits"])
+    if args.split not in splits:
+        raise DataPrepError(f"--split {args.split!r} is not a split of {args.shard_dir}", f"use one of {splits}")
     problems = inspect_shards(args.shard_dir, args.verify, args.tokenizer, args.split, args.sample_tokens,
                               progress=not args.quiet)
     print("OK" if problems == 0 else f"{problems} problem(s) found")
@@ -152,4 +164,17 @@ def main(argv=None) -> int:
         return handler(args)
     except DataPrepError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # the reader of stdout went away (e.g. `inspect ... | head`): stop quietly, as `cat` does
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
+    except KeyboardInterrupt:
+        print("error: interrupted (an output directory keeps what it held before)", file=sys.stderr)
+        return 130
+    except OSError as err:
+        where = f" {err.filename}" if err.filename else ""
+        print(f"error: cannot access{where}: {err.strerror or err}. What to do: check that the path exists, is of "
+              "the right kind (file or directory) and is readable/writable, then re-run", file=sys.stderr)
         return 2

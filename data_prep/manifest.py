@@ -43,10 +43,29 @@ def read_manifest(shard_dir) -> dict:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
         raise DataPrepError(f"{path} is not valid JSON ({err})", "re-create the shards") from err
-    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT \
+            or manifest.get("format_version") != FORMAT_VERSION:
         raise DataPrepError(f"{path} is not a data_prep manifest of version {FORMAT_VERSION}",
                             "re-create the shards with this version of data_prep")
+    check_manifest_layout(manifest, path)
     return manifest
+
+
+def check_manifest_layout(manifest: dict, path) -> None:
+    """The fields every reader relies on are there, and the row length agrees with seq_len (row = seq_len + 1)."""
+    remedy = "re-create the shards with `python -m data_prep shards` (an edited or foreign manifest does not match them)"
+    try:
+        seq_len, row_len = manifest["seq_len"], manifest["row_len"]
+        manifest["dtype"], manifest["tokenizer"]["hash"], manifest["tokenizer"]["vocab_size"]
+        for info in manifest["splits"].values():
+            for entry in info["shards"]:
+                entry["name"], entry["rows"], entry["first_row"], entry["size"], entry["sha256"]
+    except (KeyError, TypeError, AttributeError) as err:
+        raise DataPrepError(f"{path} lacks a field every shard directory has ({type(err).__name__}: {err})",
+                            remedy) from None
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (seq_len, row_len)) or row_len != seq_len + 1:
+        raise DataPrepError(f"{path} records seq_len {seq_len!r} but rows of {row_len!r} tokens (row_len); a row holds "
+                            "seq_len + 1 tokens, so the manifest contradicts its own rows", remedy)
 
 
 def manifest_fingerprint(manifest: dict) -> str:

@@ -65,6 +65,10 @@ def build_shard_index(path: Path, entry: dict, row_len: int, dtype) -> tuple[Sha
         if names[i] != want or sizes[i] != expected_size or offsets[i] + sizes[i] > file_size:
             problem = (f"member is {names[i]} of {sizes[i]} bytes, expected {want} of {expected_size} bytes"
                        if offsets[i] + sizes[i] <= file_size else "member data runs past the end of the file")
+            tokens = (int(sizes[i]) - len(header)) / np.dtype(dtype).itemsize
+            if names[i] == want and sizes[i] != expected_size and tokens.is_integer() and tokens > 1:
+                problem += (f": it holds a row of {int(tokens)} tokens (seq_len {int(tokens) - 1}), but the manifest "
+                            f"records seq_len {row_len - 1}, so the shards and manifest.json disagree")
             raise CorruptShardError(entry["name"], problem, REMEDY, member=want)
     if len(names) != entry["rows"]:
         missing = member_name(entry["first_row"] + len(names)) if len(names) < entry["rows"] else None

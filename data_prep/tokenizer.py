@@ -160,6 +160,9 @@ def _read_training_texts(input_dir, glob: str, max_bytes: int | None, progress: 
 def _check_output_dir(output_dir: Path, overwrite: bool) -> None:
     """Refuse to replace an existing tokenizer unless asked to (checked before any work; files are replaced when
     the new tokenizer is written)."""
+    if output_dir.exists() and not output_dir.is_dir():
+        raise TokenizerError(f"--output {output_dir} is a file, not a directory",
+                             "pass a directory for --output (it is created when missing)")
     if ((output_dir / TOKENIZER_FILE).exists() or (output_dir / CONFIG_FILE).exists()) and not overwrite:
         raise TokenizerError(f"{output_dir} already holds a tokenizer", "choose another --output or pass --overwrite")
 

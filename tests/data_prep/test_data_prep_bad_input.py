@@ -8,7 +8,8 @@ import shutil
 import numpy as np
 import pytest
 
-from data_prep.errors import CorruptShardError, EmptyCorpusError, NotEnoughTokensError, TokenizerMismatchError
+from data_prep.errors import (CorruptShardError, DataPrepError, EmptyCorpusError, NotEnoughTokensError,
+                             TokenizerMismatchError)
 from data_prep.inspect_cmd import inspect_shards
 from data_prep.loader import ShardLoader
 from data_prep.manifest import read_manifest
@@ -218,3 +219,78 @@ def test_interrupted_overwrite_leaves_the_old_shards_intact(shard_copy, small_co
     names = {s["name"] for split in manifest["splits"].values() for s in split["shards"]}
     assert {p.name for p in shard_copy.glob("*.tar")} == names
     assert read_manifest(shard_copy)["seq_len"] == 32 and ShardDataset(shard_copy)[0].shape == (33,)
+
+
+def test_a_manifest_whose_seq_len_contradicts_its_rows(shard_copy):
+    path = shard_copy / "manifest.json"
+    manifest = json.loads(path.read_text())
+    path.write_text(json.dumps({**manifest, "seq_len": 2 * SEQ_LEN}))            # rows still hold SEQ_LEN + 1
+    with pytest.raises(DataPrepError, match=f"records seq_len {2 * SEQ_LEN} but rows of {SEQ_LEN + 1} tokens"):
+        read_manifest(shard_copy)
+    path.write_text(json.dumps({**manifest, "seq_len": 2 * SEQ_LEN, "row_len": 2 * SEQ_LEN + 1}))
+    report = io.StringIO()
+    assert inspect_shards(shard_copy, "full", progress=False, out=report) >= 1
+    assert (f"holds a row of {SEQ_LEN + 1} tokens (seq_len {SEQ_LEN}), but the manifest records seq_len "
+            f"{2 * SEQ_LEN}") in report.getvalue()
+    with pytest.raises(CorruptShardError, match=f"holds a row of {SEQ_LEN + 1} tokens"):
+        ShardLoader(shard_copy, 12, verify="fast").batch(0)
+
+
+def _data_prep(*args, **kwargs):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    kwargs = {"capture_output": True, **kwargs} if "stdout" not in kwargs else kwargs
+    return subprocess.run([sys.executable, "-m", "data_prep", *map(str, args)], text=True, cwd=repo, timeout=120,
+                          **kwargs)
+
+
+def _assert_one_line_error(done, *expected):
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "What to do" in lines[0], done.stderr
+    for text in expected:
+        assert text in lines[0], lines[0]
+
+
+def test_command_line_bad_input_is_one_line(small_shards, small_corpus, chapters_tokenizer, tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a directory")
+    _assert_one_line_error(_data_prep("tokenizer", "--input", small_corpus, "--output", a_file, "--quiet"),
+                           f"--output {a_file} is a file, not a directory")
+    _assert_one_line_error(_data_prep("shards", "--input", small_corpus, "--tokenizer", chapters_tokenizer.directory,
+                                      "--output", a_file, "--seq-len", 32, "--quiet"),
+                           f"--output {a_file} is a file, not a directory")
+    _assert_one_line_error(_data_prep("inspect", small_shards, "--split", "test", "--quiet"),
+                           "--split 'test' is not a split of", "['train', 'val']")
+    _assert_one_line_error(_data_prep("inspect", small_shards, "--sample-tokens", -1, "--quiet"),
+                           "--sample-tokens must be >= 0")
+    _assert_one_line_error(_data_prep("inspect", small_shards, "--tokenizer", tmp_path / "nope", "--quiet"),
+                           "is not a directory")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "manifest.json").write_text('{"format": "megaloop-data_prep-shards",')
+    _assert_one_line_error(_data_prep("inspect", broken, "--quiet"), "manifest.json is not valid JSON")
+
+
+def test_inspect_reports_a_seq_len_that_contradicts_the_rows(shard_copy):
+    path = shard_copy / "manifest.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "seq_len": 2 * SEQ_LEN}))
+    _assert_one_line_error(_data_prep("inspect", shard_copy, "--quiet"),
+                           f"records seq_len {2 * SEQ_LEN} but rows of {SEQ_LEN + 1} tokens")
+
+
+def test_inspect_into_a_closed_pipe_is_quiet(small_shards):
+    """`inspect ... | head -1`: the reader has gone when inspect writes; no BrokenPipeError traceback."""
+    import os
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)                                             # every write now fails with EPIPE
+    try:
+        done = _data_prep("inspect", small_shards, "--quiet", stdout=write_end, stderr=-1)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 141 and "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
