@@ -131,3 +131,23 @@ def check_tokenizer_hash(manifest: dict, tokenizer_hash: str, source: str = "the
             f"the shards were made with tokenizer {recorded[:16]}..., but {source} has hash {tokenizer_hash[:16]}...",
             "use the tokenizer the shards were made with (a copy is in SHARD_DIR/tokenizer), "
             "or re-create the shards with this tokenizer")
+
+
+def corpus_mismatch(shard_dir, input_dir) -> str | None:
+    """Why the shards in `shard_dir` were not made from the text files now in `input_dir` (another file set, or a
+    file of another size), or None when they were. Uses the manifest's sources and its recorded --glob."""
+    from .text_io import list_source_files
+
+    try:
+        manifest = read_manifest(shard_dir)
+        recorded = {(s["path"], s["size"]) for s in manifest["sources"]}
+        current = {(f.relpath, f.size) for f in list_source_files(input_dir, manifest["parameters"]["glob"])}
+    except (DataPrepError, KeyError, TypeError) as err:
+        return f"cannot compare with the corpus ({err})"
+    if recorded == current:
+        return None
+    only_old, only_new = sorted(recorded - current), sorted(current - recorded)
+    example = (f"{only_old[0][0]} ({only_old[0][1]} bytes) is not in {input_dir}" if only_old else
+               f"{only_new[0][0]} ({only_new[0][1]} bytes) is new")
+    return (f"they were made from another corpus ({len(only_old)} of their source files are not in {input_dir} as "
+            f"they were, {len(only_new)} of its files are not among them; e.g. {example})")
