@@ -17,13 +17,21 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _world_size() -> int | None:
+def _world_size(command: str) -> int | None:
+    """The job's process count from the launcher (torchrun, mpirun, Slurm). A plain `train` is a job of one process;
+    `check` of a config meant for a multi-process job, run without a launcher, checks everything but the layout."""
     import os
 
-    for var in ("WORLD_SIZE", "SLURM_NTASKS"):
+    from megaloop.config import ConfigError
+
+    for var in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):  # the order of read_launch_env
         if var in os.environ:
-            return int(os.environ[var])
-    return None
+            try:
+                return int(os.environ[var])
+            except ValueError:
+                raise ConfigError(f"${var}", os.environ[var], "the launcher's process count must be an integer; "
+                                  f"unset {var} or launch with torchrun/srun") from None
+    return 1 if command == "train" else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,12 +39,18 @@ def main(argv: list[str] | None = None) -> int:
     from megaloop.config import ConfigError, load_config
 
     try:
-        cfg = load_config(args.config, args.overrides, world_size=_world_size())
+        cfg = load_config(args.config, args.overrides, world_size=_world_size(args.command))
     except (ConfigError, FileNotFoundError) as err:
         print(f"megaloop: {err}", file=sys.stderr)
         return 2
     if args.command == "check":
-        return _check(cfg)
+        try:
+            return _check(cfg)
+        except BrokenPipeError:  # `check ... | head`: the reader went away; stop quietly
+            import os
+
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 141
     from megaloop.train.cli import run_training
 
     return run_training(cfg)

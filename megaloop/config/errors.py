@@ -14,6 +14,14 @@ class ConfigError(ValueError):
         super().__init__(f"config error: {field}={value!r}: {allowed}")
 
 
+class ConfigFileError(ConfigError):
+    """A config file that cannot be used as a whole (a directory, empty, malformed YAML); names the file."""
+
+    def __init__(self, path, problem: str):
+        self.field, self.value = str(path), None
+        ValueError.__init__(self, f"config error: {path}: {problem}")
+
+
 def check_choice(field: str, value, choices: Iterable[str]) -> None:
     choices = tuple(choices)
     if value not in choices:

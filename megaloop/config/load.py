@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from megaloop.config.errors import ConfigError, suggest
+from megaloop.config.errors import ConfigError, ConfigFileError, suggest
 from megaloop.config.tree import Config
 
 
@@ -18,18 +18,57 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     and validate the whole tree (model, sizes, data directory) before anything is built."""
     raw: dict = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file {path} does not exist (configs live in configs/*.yaml)")
-        raw = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(raw, dict):
-            raise ConfigError("<root>", type(raw).__name__, f"{path} must hold a mapping of sections")
+        raw = _read_config_file(Path(path))
     for item in overrides:
         _apply_override(raw, item)
     cfg = from_dict(Config, raw, prefix="")
     if validate:
         cfg.validate(world_size=world_size)
     return cfg
+
+
+SECTIONS_HINT = "model, parallel, data, optim, train, checkpoint"
+
+
+def _read_config_file(path: Path) -> dict:
+    """The YAML mapping of a config file; every way it can be unusable is a ConfigFileError naming the file."""
+    if path.is_dir():
+        raise ConfigFileError(path, "is a directory, not a config file; pass a YAML file such as "
+                                    "configs/parcae-tiny.yaml")
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist (configs live in configs/*.yaml)")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigFileError(path, f"cannot be read as UTF-8 text ({err}); pass a readable YAML file") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigFileError(path, f"{_yaml_where(err)}malformed YAML ({_yaml_problem(err)}); fix the syntax "
+                                    "there") from None
+    if raw is None:
+        raise ConfigFileError(path, f"holds no settings (empty or only comments); a config is a YAML mapping of "
+                                    f"the sections {SECTIONS_HINT}, e.g. start from configs/parcae-tiny.yaml")
+    if not isinstance(raw, dict):
+        raise ConfigError("<root>", type(raw).__name__, f"{path} must hold a mapping of sections ({SECTIONS_HINT})")
+    return raw
+
+
+def _yaml_where(err) -> str:
+    """'line L, column C: ' of a YAML error (1-based), or ''."""
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    return f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+
+
+def _yaml_problem(err) -> str:
+    """What PyYAML found, with where the construct it was parsing started when that is elsewhere."""
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    context, start = getattr(err, "context", None), getattr(err, "context_mark", None)
+    if not context:
+        return problem
+    if start is not None and start != getattr(err, "problem_mark", None):
+        context += f" that starts at line {start.line + 1}, column {start.column + 1}"
+    return f"{context}: {problem}"
 
 
 def _apply_override(raw: dict, item: str) -> None:
@@ -42,7 +81,11 @@ def _apply_override(raw: dict, item: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(key, text, f"{part} is not a section")
-    node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+    try:
+        node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError as err:
+        raise ConfigError("--set", item, f"the value is not valid YAML ({_yaml_where(err)}{_yaml_problem(err)}); "
+                                         "quote it or fix it, e.g. --set 'train.val_depths=[1, 4]'") from None
 
 
 def from_dict(cls, data: dict, prefix: str):

@@ -8,7 +8,7 @@ from pathlib import Path
 from megaloop.config.errors import ConfigError
 from megaloop.config.model import ModelConfig
 from megaloop.config.sections import CheckpointConfig, DataConfig, ParallelConfig, TrainConfig
-from megaloop.optim.config import OptimConfig
+from megaloop.optim.config import OptimConfig, OptimConfigError
 
 
 @dataclass
@@ -23,7 +23,10 @@ class Config:
     def validate(self, world_size: int | None = None) -> "Config":
         """Check every section, then the sizes that depend on each other. Returns self."""
         for section in (self.model, self.parallel, self.data, self.optim, self.train, self.checkpoint):
-            section.validate()
+            try:
+                section.validate()
+            except OptimConfigError as err:  # the optim section reports in its own (dependency-free) type
+                raise ConfigError(err.field, err.value, f"allowed values are {err.allowed}") from None
         self._validate_batches(world_size)
         self._validate_engine()
         self._validate_data_dir()
@@ -76,8 +79,13 @@ class Config:
         if world_size is not None:
             needed = self.parallel.tp * self.parallel.pp * dp
             if needed != world_size:
+                hint = ""
+                if world_size == 1:  # a plain `python -m megaloop train`: nothing would run in parallel
+                    hint = (f"; this is a single process (not started by torchrun or Slurm): launch {needed} "
+                            f"processes, e.g. `torchrun --standalone --nproc-per-node {needed} -m megaloop train "
+                            "...`, or leave parallel.dp unset (null) and parallel.tp at 1")
                 raise ConfigError("parallel", f"tp={self.parallel.tp} pp={self.parallel.pp} dp={dp}",
-                                  f"tp x pp x dp = {needed} but the job has {world_size} processes")
+                                  f"tp x pp x dp = {needed} but the job has {world_size} processes{hint}")
 
     def _validate_data_dir(self) -> None:
         if self.data.shards is None:
@@ -88,11 +96,27 @@ class Config:
             raise ConfigError("data.shards", self.data.shards,
                               "is not a shard directory (no manifest.json); create one with "
                               "`python -m data_prep shards --input TEXT_DIR --tokenizer TOK_DIR --output DIR`")
-        info = json.loads(manifest.read_text())
-        vocab = _manifest_vocab_size(info)
+        remedy = "re-create the shards with `python -m data_prep shards` (`python -m data_prep inspect` checks them)"
+        try:
+            info = json.loads(manifest.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ConfigError("data.shards", self.data.shards,
+                              f"{manifest} is not valid JSON ({err}); {remedy}") from None
+        if not isinstance(info, dict):
+            raise ConfigError("data.shards", self.data.shards, f"{manifest} does not hold a JSON object; {remedy}")
+        try:
+            vocab = _manifest_vocab_size(info)
+        except (TypeError, ValueError):
+            raise ConfigError("data.shards", self.data.shards, f"{manifest} holds a vocab_size that is not an "
+                              f"integer; {remedy}") from None
         if vocab is not None:
             self.model.check_vocab_covers(vocab, str(manifest))
         seq_len = info.get("seq_len")
+        row_len = info.get("row_len")
+        if row_len is not None and (seq_len is None or row_len != seq_len + 1):
+            raise ConfigError("data.shards", self.data.shards,
+                              f"{manifest} records seq_len={seq_len} but rows of {row_len} tokens (a row holds "
+                              f"seq_len + 1): the manifest contradicts its shards; {remedy}")
         if seq_len is not None and seq_len != self.model.seq_len:
             raise ConfigError("model.seq_len", self.model.seq_len,
                               f"the shards in {shards} hold rows of seq_len={seq_len}; set model.seq_len={seq_len}")

@@ -72,8 +72,20 @@ class OptimConfig:
         return self
 
 
+class OptimConfigError(ValueError):
+    """An invalid optimizer setting: `field` (e.g. "optim.matrix_lr"), the bad `value`, what is `allowed`.
+
+    A ValueError, so library callers catch it as before; the config tree reports it as a config error."""
+
+    def __init__(self, field: str, value: object, allowed: str):
+        self.field, self.value, self.allowed = field, value, allowed
+        super().__init__(f"{field} = {value!r} is invalid: allowed values are {allowed}")
+
+
 def _fail(field: str, value: object, allowed: str) -> None:
-    raise ValueError(f"optim.{field} = {value!r} is invalid: allowed values are {allowed}")
+    default = OptimConfig.__dataclass_fields__[field].default
+    hint = f" (the default is {list(default) if isinstance(default, tuple) else default})"
+    raise OptimConfigError(f"optim.{field}", value, allowed + hint)
 
 
 def _is_real(value: object) -> bool:

@@ -14,6 +14,7 @@ def run_training(cfg: Config) -> int:
     from pipeline.layout import LayoutError
 
     try:
+        check_before_training(cfg)
         summary = train(cfg)
     except (ConfigError, DataPrepError, FileNotFoundError) as err:
         print(f"megaloop: {err}", file=sys.stderr)
@@ -48,3 +49,27 @@ def format_summary(cfg: Config, s) -> str:
         f"MFU (useful/peak)     {100 * tf(s.useful_flops) / peak:.1f}%" if math.isfinite(peak) else "MFU n/a",
     ]
     return "\n".join(lines)
+
+
+def check_before_training(cfg: Config) -> None:
+    """What the config cannot say about this machine, checked before anything is built: the device exists and
+    train.out_dir can be a directory that this process may write."""
+    import os
+    from pathlib import Path
+
+    import torch
+
+    from megaloop.config import ConfigError
+
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device", cfg.train.device, "no CUDA device is available on this machine; use "
+                          "train.device=cpu, or auto (a GPU when there is one, else the CPU)")
+    out = Path(cfg.train.out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError("train.out_dir", cfg.train.out_dir, "is a file, not a directory; choose another "
+                          "train.out_dir")
+    existing = next(p for p in (out, *out.absolute().parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError("train.out_dir", cfg.train.out_dir, f"cannot be created or written ({existing} is "
+                          f"{'not a directory' if not existing.is_dir() else 'not writable'}); choose a writable "
+                          "train.out_dir")

@@ -60,8 +60,16 @@ def make_runtime(cfg, device: torch.device):
     per-matrix Muon functions (pipeline never imports megaloop)."""
     from pipeline.layout import BatchDims, ModelDims, init_layout, read_launch_env
 
-    if read_launch_env().world_size == 1 and cfg.parallel.tp == 1:
-        return SingleProcessRuntime(device)
+    if read_launch_env().world_size == 1:
+        if cfg.parallel.dp not in (None, 1):  # nothing would run in parallel, yet the run would be recorded as dp > 1
+            from megaloop.config import ConfigError
+
+            raise ConfigError("parallel.dp", cfg.parallel.dp, "this is a single process (not started by torchrun or "
+                              f"Slurm): launch {cfg.parallel.dp * cfg.parallel.tp} processes, e.g. `torchrun "
+                              f"--standalone --nproc-per-node {cfg.parallel.dp * cfg.parallel.tp} -m megaloop train "
+                              "...`, or leave parallel.dp unset")
+        if cfg.parallel.tp == 1:
+            return SingleProcessRuntime(device)
     m, p, d = cfg.model, cfg.parallel, cfg.data
     layout = init_layout(tp=p.tp, pp=p.pp, dp=p.dp, model=ModelDims(m.n_heads, m.kv_heads, m.vocab_size, m.seq_len),
                          batch=BatchDims(d.global_batch_size, d.micro_batch_size),
