@@ -6,6 +6,9 @@ import sys
 
 from megaloop.config import Config
 
+NO_VALIDATION_HINT = ("the shards have no val split, e.g. made with --val-fraction 0, or data.val_batches=0; "
+                      "re-create the shards with --val-fraction > 0 to measure it")
+
 
 def run_training(cfg: Config) -> int:
     from data_prep.errors import DataPrepError
@@ -37,9 +40,12 @@ def format_summary(cfg: Config, s) -> str:
         f"{s.n_params / 1e6:.2f}M params, {s.tokens:,} tokens, {s.skipped} skipped steps)",
         f"{'T':>4} {'val loss':>9} {'val bpb':>8}",
     ]
-    for depth, v in sorted(s.val.items()):
+    if s.val and not any(v["tokens"] for v in s.val.values()):
+        lines.append(f"{'all':>4} {'n/a':>9} {'n/a':>8}  (no validation tokens: {NO_VALIDATION_HINT})")
+    for depth, v in sorted(s.val.items()) if any(v["tokens"] for v in s.val.values()) else ():
+        loss = "n/a" if not math.isfinite(v["val_loss"]) else f"{v['val_loss']:.4f}"
         bpb = "n/a" if not math.isfinite(v["val_bpb"]) else f"{v['val_bpb']:.3f}"
-        lines.append(f"{depth:>4} {v['val_loss']:>9.4f} {bpb:>8}")
+        lines.append(f"{depth:>4} {loss:>9} {bpb:>8}")
     peak = s.peak_tflops
     lines += [
         f"tokens/s              {s.tokens_per_s:,.0f}",

@@ -3,6 +3,8 @@ shard directory written by `python -m data_prep shards` (data_prep.loader does t
 from __future__ import annotations
 
 import itertools
+import os
+import sys
 
 from megaloop.config import Config, ConfigError
 
@@ -19,6 +21,11 @@ class ShardData:
                                   verify=d.verify, on_corrupt=d.on_corrupt, prefetch=d.prefetch)
         self.bytes_per_token = _bytes_per_token(self.manifest, "val")
         self._val = None
+        self.val_rows = self.manifest["splits"].get("val", {}).get("rows", 0) if d.val_batches else 0
+        if not self.val_rows and dp_rank == 0 and os.environ.get("RANK", "0") == "0":
+            reason = "data.val_batches=0" if not d.val_batches else f"{d.shards} has no val split"
+            print(f"megaloop: note: {reason}, so there is no validation loss (reported as n/a); shards made with "
+                  "--val-fraction > 0 (default 0.01) hold one", file=sys.stderr)
 
     def train_batches(self):
         return iter(self.loader)

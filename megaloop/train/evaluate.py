@@ -29,12 +29,30 @@ def final_val_depths(cfg, periodic: list[int]) -> list[int]:
 
 @torch.no_grad()
 def validation_losses(model, batches: list[dict], depths: list[int], seed: int, precision: str, device,
-                      runtime, bytes_per_token: float | None = None) -> dict[int, dict]:
-    """{T: {"val_loss", "val_bpb", "tokens"}} over the given validation batches (token-weighted, summed over dp)."""
+                      runtime, bytes_per_token: float | None = None, progress=None) -> dict[int, dict]:
+    """{T: {"val_loss", "val_bpb", "tokens"}} over the given validation batches (token-weighted, summed over dp).
+
+    val_loss and val_bpb are NaN when there is no validation token. progress: the Progress whose terminal shows a
+    transient bar for this pass (default: the open training bar of this process, if any).
+    """
+    from megaloop.train.progress import active
+
+    progress = progress if progress is not None else active()
+    bar = progress.validation(depths, len(batches)) if progress is not None and batches else None
+    try:
+        return _losses(model, batches, depths, seed, precision, device, runtime, bytes_per_token, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _losses(model, batches, depths, seed, precision, device, runtime, bytes_per_token, bar) -> dict[int, dict]:
     was_training = model.training
     model.eval()
     results = {}
     for depth in depths:
+        if bar is not None:
+            bar.depth(depth)
         loss_sum, tokens = 0.0, 0
         for batch in batches:
             mb = batch["tokens"].to(device)
@@ -46,13 +64,16 @@ def validation_losses(model, batches: list[dict], depths: list[int], seed: int, 
                 out = model(mb[:, :-1], labels=labels, depth=depth,
                             noise_key=(seed, VAL_NOISE_STEP, batch["sample_index"].clamp(min=0)))
             n = int((labels != -100).sum())
+            if bar is not None:
+                bar.update()
             if n == 0:
                 continue
             loss_sum += float(out.loss) * n
             tokens += n
         loss_sum, tokens = runtime.sum_over_dp(loss_sum), int(runtime.sum_over_dp(float(tokens)))
-        loss = loss_sum / max(tokens, 1)
-        bpb = loss / math.log(2) / bytes_per_token if bytes_per_token else float("nan")
+        # no validation tokens (no val split, or data.val_batches=0): no measurement, so NaN ("n/a"), never 0
+        loss = loss_sum / tokens if tokens else float("nan")
+        bpb = loss / math.log(2) / bytes_per_token if bytes_per_token and tokens else float("nan")
         results[depth] = {"val_loss": loss, "val_bpb": bpb, "tokens": tokens}
     model.train(was_training)
     return results
