@@ -53,7 +53,8 @@ def read_manifest(shard_dir) -> dict:
 
 def check_manifest_layout(manifest: dict, path) -> None:
     """The fields every reader relies on are there, and the row length agrees with seq_len (row = seq_len + 1)."""
-    remedy = "re-create the shards with `python -m data_prep shards` (an edited or foreign manifest does not match them)"
+    remedy = ("re-create the shards with `python -m data_prep shards` (an edited or foreign manifest does not match "
+              "them)")
     try:
         seq_len, row_len = manifest["seq_len"], manifest["row_len"]
         manifest["dtype"], manifest["tokenizer"]["hash"], manifest["tokenizer"]["vocab_size"]
