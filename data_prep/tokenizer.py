@@ -32,6 +32,7 @@ BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 SPECIAL_TOKENS = (BOS, EOS, PAD)
 DEFAULT_VOCAB_SIZE = 32768
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+MAX_VOCAB_SIZE = 1 << 24  # far above any model here; the trainer's ids are 32-bit
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 SAMPLE_FILE = "verify_sample.txt"
@@ -176,6 +177,14 @@ def train_tokenizer(input_dir, output_dir, vocab_size: int = DEFAULT_VOCAB_SIZE,
     if vocab_size < MIN_VOCAB_SIZE:
         raise TokenizerError(f"vocab size {vocab_size} is below {MIN_VOCAB_SIZE} (256 bytes + 3 specials)",
                              f"pass --vocab-size {MIN_VOCAB_SIZE} or more")
+    if vocab_size > MAX_VOCAB_SIZE:
+        raise TokenizerError(f"vocab size {vocab_size} is above {MAX_VOCAB_SIZE}",
+                             "pass a --vocab-size such as 32768 (the reference models) or 4096 (parcae-tiny)")
+    if min_frequency < 0:
+        raise TokenizerError(f"--min-frequency must be >= 0, got {min_frequency}", "pass 0 (the default) or more")
+    if max_bytes is not None and max_bytes < 1:
+        raise TokenizerError(f"--max-bytes must be at least 1, got {max_bytes}",
+                             "pass a positive number of bytes, or leave --max-bytes out to read everything")
     output_dir = Path(output_dir)
     _check_output_dir(output_dir, overwrite)
     texts, summary = _read_training_texts(input_dir, glob, max_bytes, progress)

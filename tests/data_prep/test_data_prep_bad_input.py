@@ -261,6 +261,11 @@ def test_command_line_bad_input_is_one_line(small_shards, small_corpus, chapters
     a_file.write_text("not a directory")
     _assert_one_line_error(_data_prep("tokenizer", "--input", small_corpus, "--output", a_file, "--quiet"),
                            f"--output {a_file} is a file, not a directory")
+    for option, value, expected in (("--min-frequency", -1, "--min-frequency must be >= 0"),
+                                    ("--max-bytes", 0, "--max-bytes must be at least 1"),
+                                    ("--vocab-size", 10**11, "vocab size 100000000000 is above 16777216")):
+        _assert_one_line_error(_data_prep("tokenizer", "--input", small_corpus, "--output", tmp_path / "tok",
+                                          option, value, "--quiet"), expected)
     _assert_one_line_error(_data_prep("shards", "--input", small_corpus, "--tokenizer", chapters_tokenizer.directory,
                                       "--output", a_file, "--seq-len", 32, "--quiet"),
                            f"--output {a_file} is a file, not a directory")
