@@ -105,8 +105,8 @@ def _publish(root: Path, tmp: Path, step: int, token: str) -> Path:
 
 def apply_retention(root: Path, keep: int, current: Path) -> list[Path]:
     """Delete committed checkpoints beyond the newest `keep` (never `current`, never the one ``latest`` names),
-    staging directories left by earlier saves and stale temporary ``latest`` files. Each victim is renamed first so that a half-deleted directory never
-    looks committed. Returns the deleted checkpoint paths."""
+    staging directories left by earlier saves and stale temporary ``latest`` files. Each victim is renamed first so
+    that a half-deleted directory never looks committed. Returns the deleted checkpoint paths."""
     protect = {current.name, files.read_latest(root)}
     committed = files.committed_dirs(root)
     victims = [p for p in committed[keep:] if p.name not in protect]

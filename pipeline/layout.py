@@ -13,7 +13,9 @@ listing the sizes that would work. A single-process job (world size 1) creates n
 """
 from __future__ import annotations
 
+import functools
 import os
+import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Mapping, Sequence
@@ -35,23 +37,65 @@ class LaunchEnv:
     local_rank: int
     master_addr: str
     master_port: int
-    launcher: str  # "torchrun" | "slurm" | "single"
+    launcher: str  # "torchrun" | "mpi" | "slurm" | "single"
 
 
 def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
-    """torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) first, then Slurm (SLURM_PROCID, SLURM_NTASKS,
-    SLURM_LOCALID), else a single process. Under Slurm MASTER_ADDR defaults to 127.0.0.1 (set it to the first node's
-    address for multi-node jobs) and MASTER_PORT to 29500."""
+    """torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) first, then mpirun (Open MPI's OMPI_COMM_WORLD_*,
+    MPICH's PMI_RANK/PMI_SIZE/MPI_LOCALRANKID; the rendezvous address comes from rank 0 through mpi4py unless
+    MASTER_ADDR is set), then Slurm (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID), else a single process. MPI comes
+    before Slurm because an mpirun inside a Slurm allocation inherits the batch step's SLURM_PROCID. Under Slurm
+    MASTER_ADDR defaults to 127.0.0.1 (set it to the first node's address for multi-node jobs) and MASTER_PORT to
+    29500."""
     env = os.environ if environ is None else environ
     addr = env.get("MASTER_ADDR", "127.0.0.1")
     port = int(env.get("MASTER_PORT", "29500"))
     if "RANK" in env and "WORLD_SIZE" in env:
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
         return LaunchEnv(rank, world, int(env.get("LOCAL_RANK", rank)), addr, port, "torchrun")
+    mpi = _mpi_ranks(env)
+    if mpi is not None:
+        rank, world, local = mpi
+        if "MASTER_ADDR" not in env and world > 1:
+            addr, port = mpi_rendezvous(port)
+        return LaunchEnv(rank, world, local, addr, port, "mpi")
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
         return LaunchEnv(rank, world, int(env.get("SLURM_LOCALID", 0)), addr, port, "slurm")
     return LaunchEnv(0, 1, 0, addr, port, "single")
+
+
+def _mpi_ranks(env: Mapping[str, str]) -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) when started by mpirun (Open MPI or MPICH's Hydra), else None."""
+    if "OMPI_COMM_WORLD_RANK" in env and "OMPI_COMM_WORLD_SIZE" in env:
+        return (int(env["OMPI_COMM_WORLD_RANK"]), int(env["OMPI_COMM_WORLD_SIZE"]),
+                int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)))
+    if "PMI_RANK" in env and "PMI_SIZE" in env and "MPI_LOCALRANKID" in env:
+        return int(env["PMI_RANK"]), int(env["PMI_SIZE"]), int(env["MPI_LOCALRANKID"])
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def mpi_rendezvous(default_port: int) -> tuple[str, int]:
+    """torch.distributed's rendezvous address under mpirun: rank 0's host address and a port free there, sent to
+    every rank with one MPI broadcast (collective: every rank calls it once; the result is cached)."""
+    try:
+        from mpi4py import MPI
+    except ImportError as err:  # pragma: no cover - mpi4py is pinned in requirements.txt
+        raise LayoutError(f"started by mpirun but mpi4py cannot be imported ({err}): install mpi4py, or set "
+                          "MASTER_ADDR and MASTER_PORT yourself") from None
+    comm = MPI.COMM_WORLD
+    found = None
+    one_node = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size() == comm.Get_size()  # collective: every rank
+    if comm.Get_rank() == 0:
+        try:
+            addr = "127.0.0.1" if one_node else socket.gethostbyname(socket.gethostname())
+        except OSError:
+            addr = "127.0.0.1"
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            found = (addr, probe.getsockname()[1])
+    return comm.bcast(found, root=0)
 
 
 @dataclass(frozen=True)

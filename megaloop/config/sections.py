@@ -18,6 +18,7 @@ class ParallelConfig:
     zero_stage: int = 1
     zero_offload: bool = False  # deepspeed engine: optimizer state and step on the CPU (ZeRO-Offload)
     backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | gloo | nccl
+    timeout_s: float = 600.0  # a collective waiting longer fails the job (a lost rank must not hang the others)
 
     def validate(self) -> None:
         for name in ("tp", "pp"):
@@ -27,6 +28,8 @@ class ParallelConfig:
             raise ConfigError("parallel.dp", self.dp, "must be >= 1 or null (derived from the world size)")
         check_choice("parallel.engine", self.engine, ("native", "deepspeed"))
         check_choice("parallel.backend", self.backend, ("auto", "gloo", "nccl"))
+        if not self.timeout_s > 0:
+            raise ConfigError("parallel.timeout_s", self.timeout_s, "must be > 0 seconds")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError("parallel.zero_stage", self.zero_stage, "allowed values: 0, 1, 2, 3")
         if self.pp != 1:
@@ -70,6 +73,9 @@ class TrainConfig:
     val_depths: list[int] | None = None  # None: 1, 2, 4, mu_rec, 2 mu_rec
     bucket_depths: bool = True
     progress: bool = True
+    stop_at_step: int | None = None  # end this job after this step (save, exit 75); the schedule spans train.steps
+    time_limit_s: float | None = None  # this job's wall-clock budget: stop and save in time (also MEGALOOP_DEADLINE)
+    max_consecutive_skips: int = 20  # stop when this many steps in a row had a non-finite gradient norm
 
     def validate(self) -> None:
         if self.steps < 1:
@@ -79,26 +85,32 @@ class TrainConfig:
         for name in ("log_every", "val_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name}", getattr(self, name), "must be >= 1")
+        if self.stop_at_step is not None and not 1 <= self.stop_at_step:
+            raise ConfigError("train.stop_at_step", self.stop_at_step, "must be >= 1 or null")
+        if self.time_limit_s is not None and not self.time_limit_s > 0:
+            raise ConfigError("train.time_limit_s", self.time_limit_s, "must be > 0 seconds or null")
+        if self.max_consecutive_skips < 1:
+            raise ConfigError("train.max_consecutive_skips", self.max_consecutive_skips, "must be >= 1")
         if self.val_depths is not None and (not self.val_depths or min(self.val_depths) < 1):
             raise ConfigError("train.val_depths", self.val_depths, "a non-empty list of depths >= 1, or null")
 
 
 @dataclass
 class CheckpointConfig:
-    """Checkpointing: sharded zarr checkpoints land in a later step; until then every=0 and resume=null are enforced
-    so that a run never silently goes without the checkpoints it asked for."""
+    """Sharded zarr checkpoints (checkpoints/; megaloop/train/checkpointing.py). A run saves at its end and every
+    `every` steps; re-running the same command (same out_dir, a larger train.steps) continues from the newest
+    committed checkpoint by itself."""
 
     dir: str | None = None  # None: <train.out_dir>/checkpoints
-    every: int = 0
-    keep: int = 2
-    resume: str | None = None  # None | "latest" | a step directory
+    every: int = 0  # 0: only at the end of the run (and at an agreed stop)
+    keep: int = 2  # committed checkpoints kept (the newest)
+    resume: str | None = None  # another run's checkpoint (a step directory or a checkpoint root) to start from
+    load_optimizer: bool = True  # false: take the weights of checkpoint.resume only (new optimizer, data from 0)
+    async_save: bool = True  # write in the background (the next save waits for the previous one)
 
     def validate(self) -> None:
         if self.every < 0:
-            raise ConfigError("checkpoint.every", self.every, "must be >= 0 (0 disables)")
-        if self.every > 0 or self.resume is not None:
-            raise ConfigError("checkpoint.every/resume", (self.every, self.resume),
-                              "checkpointing is not available yet: leave checkpoint.every=0 and checkpoint.resume=null")
+            raise ConfigError("checkpoint.every", self.every, "must be >= 0 (0: save only at the end of the run)")
         if self.keep < 1:
             raise ConfigError("checkpoint.keep", self.keep, "must be >= 1")
 

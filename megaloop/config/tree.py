@@ -54,6 +54,11 @@ class Config:
                            "native engine for tensor parallelism)")
         if self.train.precision == "fp64":
             reasons.append("train.precision=fp64 (a verification precision of the native engine)")
+        if self.checkpoint.every or self.checkpoint.resume is not None:
+            reasons.append("checkpoint.every/checkpoint.resume (DeepSpeed keeps its optimizer state in its own "
+                           "partitioned flat buffers, which megaloop does not save as layout-free arrays: use the "
+                           "native engine, whose ZeRO-1 and distributed Muon checkpoint and reshard, for resumable "
+                           "runs)")
         if reasons:
             raise ConfigError("parallel.engine", p.engine, "cannot run " + "; ".join(reasons))
 

@@ -13,13 +13,21 @@ NO_VALIDATION_HINT = ("the shards have no val split, e.g. made with --val-fracti
 def run_training(cfg: Config) -> int:
     from data_prep.errors import DataPrepError
     from megaloop.config import ConfigError
-    from megaloop.train.loop import train
+    from megaloop.train.checkpointing import STOP_EXIT_CODE, ResumeError
+    from megaloop.train.loop import TrainingDiverged, train
     from pipeline.layout import LayoutError
 
     try:
         check_before_training(cfg)
         summary = train(cfg)
-    except (ConfigError, DataPrepError, FileNotFoundError) as err:
+    except KeyboardInterrupt:
+        print("megaloop: interrupted; nothing was saved after the last committed checkpoint",
+              file=sys.stderr)
+        return 130
+    except TrainingDiverged as err:
+        print(f"megaloop: {err}", file=sys.stderr)
+        return 1
+    except (ConfigError, DataPrepError, ResumeError, FileNotFoundError) as err:
         print(f"megaloop: {err}", file=sys.stderr)
         return 2
     except LayoutError as err:
@@ -27,7 +35,12 @@ def run_training(cfg: Config) -> int:
         return 2
     if summary.is_main:
         print(format_summary(cfg, summary))
-    return 130 if summary.interrupted else 0
+    if summary.interrupted:
+        if summary.is_main:
+            print(f"megaloop: stopped after step {summary.steps_done} ({summary.stop_reason}) and saved a "
+                  f"checkpoint; run the same command again to continue (exit code {STOP_EXIT_CODE})", file=sys.stderr)
+        return STOP_EXIT_CODE
+    return 0
 
 
 def format_summary(cfg: Config, s) -> str:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import math
-import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,12 +21,16 @@ from megaloop.train.precision import apply_optimizer_precision, param_dtype
 from megaloop.train.metrics import MetricsWriter
 from megaloop.train.progress import Progress
 from megaloop.train.step import train_step
+from megaloop.train.stopping import StopRequests, deadline_from
 
 
 @dataclass
 class RunSummary:
-    steps_done: int = 0
-    tokens: int = 0
+    steps_done: int = 0  # the run's step count (resumed steps included)
+    start_step: int = 0  # where this job started (a resumed run's checkpoint step)
+    resumed_from: str | None = None
+    stop_reason: str | None = None
+    tokens: int = 0  # tokens trained by this job
     skipped: int = 0
     interrupted: bool = False
     train_time_s: float = 0.0
@@ -50,29 +54,8 @@ class RunSummary:
         return d
 
 
-class _StopFlag:
-    """Ctrl-C / SIGTERM finish the current step, then stop cleanly (metrics and summary written)."""
-
-    def __init__(self):
-        self.stop = False
-        self._old = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self._old[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread
-                pass
-        return self
-
-    def _handle(self, signum, frame):
-        if self.stop:  # a second Ctrl-C aborts at once
-            raise KeyboardInterrupt
-        self.stop = True
-
-    def __exit__(self, *exc):
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
+class TrainingDiverged(RuntimeError):
+    """Too many steps in a row had a non-finite gradient norm (nothing was learned in them)."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -84,7 +67,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def train(cfg: Config, runtime=None) -> RunSummary:
-    """Run cfg.train.steps optimizer steps. All outputs go under cfg.train.out_dir."""
+    """Run (or continue) cfg.train.steps optimizer steps. All outputs go under cfg.train.out_dir."""
+    from megaloop.train.checkpointing import RunCheckpoints
     from megaloop.train.runtime import make_runtime
 
     device = resolve_device(cfg.train.device)
@@ -92,34 +76,13 @@ def train(cfg: Config, runtime=None) -> RunSummary:
     runtime = runtime or make_runtime(cfg, device)
     out_dir = Path(cfg.train.out_dir)
     data = open_data(cfg, runtime.dp_rank, runtime.dp_size)  # fails early on bad data, before the model
-    precision = cfg.train.precision
-    model = build_model(cfg.model, device=device, seed=cfg.train.seed).to(param_dtype(precision))
-    model = runtime.prepare_model(model)
-    optimizer = build_optimizer(model.named_parameters(), cfg.optim, cfg.train.steps,
-                                norm_sq_reduce=runtime.norm_sq_reduce())
-    optimizer = runtime.prepare_optimizer(apply_optimizer_precision(optimizer, precision))
-    sampler = make_sampler(cfg.model.depth_sampler, cfg.model.mu_rec, cfg.model.backprop_depth, seed=cfg.train.seed)
-    flop_model = FlopModel.of(cfg.model)
-    # counted on the meta device from the config: under tensor parallelism `model` holds only this rank's shard
-    summary = RunSummary(n_params=count_parameters(build_model(cfg.model, device="meta")), is_main=runtime.is_main)
-    summary.peak_tflops, summary.peak_source = device_peak_tflops(device, cfg.train.precision)
-    if runtime.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-    writer = MetricsWriter(out_dir, enabled=runtime.is_main)
-    val_depths = cfg.train.val_depths or default_val_depths(cfg.model.mu_rec, cfg.model.is_looped)
-    progress = Progress(cfg.train.steps, enabled=runtime.is_main and cfg.train.progress)
+    model, optimizer = build_model_and_optimizer(cfg, runtime, device)
+    ckpt = RunCheckpoints(cfg, runtime)
     try:
-        with _StopFlag() as flag:
-            _run_steps(cfg, model, optimizer, sampler, flop_model, data, runtime, writer, progress, summary, flag,
-                       val_depths)
-        summary.val = validation_losses(model, data.val_batches(), final_val_depths(cfg, val_depths), cfg.train.seed,
-                                        cfg.train.precision, device, runtime, data.bytes_per_token)
-        for depth, v in summary.val.items():
-            writer.write({"kind": "val", "step": summary.steps_done, "T": depth, **v})
+        start = ckpt.restore(model, optimizer, data)
+        summary = _run(cfg, runtime, model, optimizer, data, ckpt, start, device)
     finally:
-        progress.close()
-        writer.close()
+        ckpt.close()
         data.close()
         if owns_runtime:
             runtime.close()
@@ -128,13 +91,69 @@ def train(cfg: Config, runtime=None) -> RunSummary:
     return summary
 
 
+def build_model_and_optimizer(cfg: Config, runtime, device: torch.device):
+    """The model as the runtime runs it (split, wrapped) and its optimizer, distributed as the layout needs."""
+    precision = cfg.train.precision
+    model = build_model(cfg.model, device=device, seed=cfg.train.seed).to(param_dtype(precision))
+    model = runtime.prepare_model(model)
+    optimizer = build_optimizer(model.named_parameters(), cfg.optim, cfg.train.steps,
+                                norm_sq_reduce=runtime.norm_sq_reduce())
+    return model, runtime.prepare_optimizer(apply_optimizer_precision(optimizer, precision))
+
+
+def _run(cfg, runtime, model, optimizer, data, ckpt, start, device) -> RunSummary:
+    """Steps start .. train.steps (or until an agreed stop), the checkpoints, then the final validation."""
+    out_dir = Path(cfg.train.out_dir)
+    sampler = make_sampler(cfg.model.depth_sampler, cfg.model.mu_rec, cfg.model.backprop_depth, seed=cfg.train.seed)
+    # counted on the meta device from the config: under tensor parallelism `model` holds only this rank's shard
+    summary = RunSummary(n_params=count_parameters(build_model(cfg.model, device="meta")), is_main=runtime.is_main,
+                         start_step=start, steps_done=start, resumed_from=ckpt.resumed_from)
+    peak, source = device_peak_tflops(device, cfg.train.precision)
+    summary.peak_tflops = peak * runtime.world_size  # the job's peak: every process's device
+    summary.peak_source = source if runtime.world_size == 1 else f"{runtime.world_size} x {peak:.3f}, {source}"
+    if runtime.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    writer = MetricsWriter(out_dir, enabled=runtime.is_main)
+    if start >= cfg.train.steps and runtime.is_main:
+        print(f"megaloop: nothing to do: the run is at step {start} of train.steps={cfg.train.steps} (raise "
+              "train.steps to train further)", file=sys.stderr, flush=True)
+    ckpt.mark(None)
+    if start:
+        writer.write({"kind": "resume", "step": start, "from": ckpt.resumed_from or ""})
+    val_depths = cfg.train.val_depths or default_val_depths(cfg.model.mu_rec, cfg.model.is_looped)
+    progress = Progress(cfg.train.steps, enabled=runtime.is_main and cfg.train.progress, initial=start)
+    try:
+        with StopRequests(deadline_from(cfg.train.time_limit_s)) as flag:
+            _run_steps(cfg, model, optimizer, sampler, FlopModel.of(cfg.model), data, runtime, writer, progress,
+                       summary, flag, val_depths, ckpt)
+            if summary.steps_done > start:
+                ckpt.save(summary.steps_done, model, optimizer, data, summary.tokens, wait=True)
+            runtime.barrier()  # every rank leaves after rank 0 committed the checkpoint
+        if summary.interrupted:
+            ckpt.mark("STOPPED", step=summary.steps_done, reason=summary.stop_reason)
+        if not summary.interrupted and summary.steps_done > start:
+            summary.val = validation_losses(model, data.val_batches(), final_val_depths(cfg, val_depths),
+                                            cfg.train.seed, cfg.train.precision, device, runtime,
+                                            data.bytes_per_token)
+            for depth, v in summary.val.items():
+                writer.write({"kind": "val", "step": summary.steps_done, "T": depth, **v})
+        if not summary.interrupted:
+            ckpt.mark("COMPLETED", step=summary.steps_done)
+    finally:
+        progress.close()
+        writer.close()
+    return summary
+
+
 def _run_steps(cfg, model, optimizer, sampler, flop_model, data, runtime, writer, progress, summary, flag,
-               val_depths) -> None:
+               val_depths, ckpt) -> None:
     model.train()
     batches = data.train_batches()
-    for step in range(cfg.train.steps):
-        if flag.stop:
-            summary.interrupted = True
+    consecutive_skips = 0
+    for step in range(summary.start_step, cfg.train.steps):
+        if flag.agreed(runtime):
+            summary.interrupted, summary.stop_reason = True, flag.reason
             break
         t0 = time.perf_counter()
         batch = next(batches)
@@ -142,17 +161,34 @@ def _run_steps(cfg, model, optimizer, sampler, flop_model, data, runtime, writer
         depth_sample = sampler.sample(step, batch["sample_index"])
         stats = train_step(model, optimizer, batch, depth_sample, step, cfg.train.seed, cfg, runtime, flop_model)
         dt = time.perf_counter() - t0
+        flag.note_step(dt)
+        flag.note_save(ckpt.slowest_save_s)
         record = _train_record(step, stats, t_data, dt, runtime, summary, optimizer)
         summary.steps_done = step + 1
         summary.losses.append(record["loss"])
         if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1:
             writer.write(record)
         progress.update(record)
-        if (step + 1) % cfg.train.val_every == 0 and step + 1 < cfg.train.steps:
+        if step == summary.start_step:
+            ckpt.prepare(model, optimizer)  # the optimizer state exists now: host buffers for the saves
+        consecutive_skips = consecutive_skips + 1 if record["skipped"] else 0
+        if consecutive_skips >= cfg.train.max_consecutive_skips:
+            raise TrainingDiverged(
+                f"stopped at step {step}: the last {consecutive_skips} steps were all skipped because the gradient "
+                "norm was not finite (likely causes: a learning rate too high for this model, overflow in reduced "
+                "precision, or corrupt data); lower optim.matrix_lr / optim.adam_lr, try train.precision=fp32, or "
+                "raise train.max_consecutive_skips")
+        done = step + 1
+        if cfg.train.stop_at_step is not None and done >= cfg.train.stop_at_step and done < cfg.train.steps:
+            summary.interrupted, summary.stop_reason = True, f"train.stop_at_step={cfg.train.stop_at_step}"
+            break
+        if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < cfg.train.steps:
+            ckpt.save(done, model, optimizer, data, summary.tokens)
+        if done % cfg.train.val_every == 0 and done < cfg.train.steps:
             val = validation_losses(model, data.val_batches(), val_depths, cfg.train.seed, cfg.train.precision,
                                     runtime.device, runtime, data.bytes_per_token)
             for depth, v in val.items():
-                writer.write({"kind": "val", "step": step + 1, "T": depth, **v})
+                writer.write({"kind": "val", "step": done, "T": depth, **v})
             progress.note(" ".join(f"T{t}:{v['val_loss']:.3f}" for t, v in val.items()))
 
 
@@ -167,7 +203,7 @@ def _train_record(step, stats, t_data, dt, runtime, summary, optimizer) -> dict:
     summary.useful_flops += useful
     summary.executed_flops += executed
     summary.skipped = optimizer.num_skipped
-    peak = summary.peak_tflops * 1e12 * runtime.world_size
+    peak = summary.peak_tflops * 1e12
     tel = stats.telemetry
     sequences = max(runtime.sum_over_dp(float(stats.sequences)), 1.0)
     return {

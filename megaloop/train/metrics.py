@@ -1,6 +1,8 @@
 """metrics.jsonl (one JSON object per line) and TensorBoard event files, with the documented schema.
 
-Two record kinds share the file: "train" (one per optimizer step) and "val" (one per validation depth T).
+Three record kinds share the file: "train" (one per optimizer step), "val" (one per validation depth T) and
+"resume" (a job continued the run from a checkpoint: the records of later steps that an earlier job may have
+written before it stopped are superseded by those after this line).
 SCHEMA below is the contract that tests validate and the README documents.
 """
 from __future__ import annotations
@@ -19,7 +21,8 @@ TRAIN_FIELDS = {
     "time_backward": NUMBER, "time_optimizer": NUMBER, "time_step": NUMBER,
 }
 VAL_FIELDS = {"kind": str, "step": int, "T": int, "val_loss": NUMBER, "val_bpb": NUMBER, "tokens": int}
-SCHEMA = {"train": TRAIN_FIELDS, "val": VAL_FIELDS}
+RESUME_FIELDS = {"kind": str, "step": int, "from": str}  # a job continued the run from a checkpoint at `step`
+SCHEMA = {"train": TRAIN_FIELDS, "val": VAL_FIELDS, "resume": RESUME_FIELDS}
 
 
 def validate_record(record: dict) -> None:
@@ -62,6 +65,8 @@ class MetricsWriter:
 
     def _mirror(self, record: dict) -> None:
         step = record["step"]
+        if record["kind"] == "resume":
+            return
         if record["kind"] == "val":
             self._tb.add_scalar(f"val/loss_T{record['T']}", record["val_loss"], step)
             return

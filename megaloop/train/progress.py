@@ -20,13 +20,14 @@ def _make_active(progress) -> None:
 
 
 class Progress:
-    def __init__(self, total: int, enabled: bool = True):
+    def __init__(self, total: int, enabled: bool = True, initial: int = 0):
         self.bar = None
         _make_active(self)
         if enabled:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+            self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
+                            file=sys.stderr)
 
     def update(self, record: dict) -> None:
         if self.bar is None:

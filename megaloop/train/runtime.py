@@ -47,6 +47,21 @@ class SingleProcessRuntime:
     def mean_over_dp(self, value: float) -> float:
         return value
 
+    def world_max(self, value: float) -> float:
+        return value
+
+    def all_gather_object(self, obj) -> list:
+        return [obj]
+
+    tp_rank = 0
+
+    def shard_spec(self, name: str):
+        """Every parameter is whole in one process."""
+        return None
+
+    def describe_layout(self) -> dict:
+        return {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "engine": "native", "zero_stage": 0}
+
     def barrier(self) -> None:
         return None
 
@@ -73,7 +88,8 @@ def make_runtime(cfg, device: torch.device):
     m, p, d = cfg.model, cfg.parallel, cfg.data
     layout = init_layout(tp=p.tp, pp=p.pp, dp=p.dp, model=ModelDims(m.n_heads, m.kv_heads, m.vocab_size, m.seq_len),
                          batch=BatchDims(d.global_batch_size, d.micro_batch_size),
-                         sequence_parallel=p.sequence_parallel, device=device.type, backend=p.backend)
+                         sequence_parallel=p.sequence_parallel, device=device.type, backend=p.backend,
+                         timeout_s=p.timeout_s)
     if p.engine == "deepspeed":
         from pipeline.deepspeed_engine import DeepSpeedRuntime
 

@@ -28,7 +28,9 @@ def no_model_may_be_built(monkeypatch):
     ("train.precision=fp16", "train.precision", "bf16, fp32, fp64"),
     ("optim.name=sgd", "name", "muon"),
     ("parallel.pp=2", "parallel.pp", "pipeline parallelism is not available yet"),
-    ("checkpoint.every=100", "checkpoint.every", "checkpointing is not available yet"),
+    ("checkpoint.every=-1", "checkpoint.every", "must be >= 0"),
+    ("checkpoint.keep=0", "checkpoint.keep", "must be >= 1"),
+    ("train.stop_at_step=0", "train.stop_at_step", ">= 1 or null"),
 ])
 def test_invalid_values_name_field_and_allowed(override, field, allowed):
     with pytest.raises(ValueError) as info:
@@ -42,6 +44,7 @@ def test_invalid_values_name_field_and_allowed(override, field, allowed):
     (["parallel.engine=deepspeed"], ["optim.name=muon", "whole matrix"]),
     (["parallel.engine=deepspeed", "optim.name=adamw", "parallel.tp=2"], ["parallel.tp=2", "tensor parallelism"]),
     (["parallel.engine=deepspeed", "optim.name=adamw", "parallel.zero_stage=0"], ["stages 1, 2, 3"]),
+    (["parallel.engine=deepspeed", "optim.name=adamw", "checkpoint.every=10"], ["checkpoint.every", "native engine"]),
     (["parallel.engine=deepspeed", "optim.name=adamw", "train.precision=fp64"], ["train.precision=fp64"]),
     (["parallel.zero_offload=true"], ["parallel.zero_offload", "deepspeed only"]),
 ])

@@ -1,0 +1,310 @@
+"""The trainer's side of checkpoints/: what a training run saves, where it resumes from, and the agreed stop.
+
+A checkpoint holds, as layout-free global arrays (see checkpoints/), every parameter under `model/<name>` and the
+optimizer state under `optim/...` (megaloop.optim.combined.sharded_state), plus JSON metadata: the config, the step,
+tokens seen, the saving layout, the data loader's position, the optimizer's counters and AdamW step counts. With
+these, a resumed run repeats the uninterrupted one bit for bit: the depths, h_0 noise and data order are functions
+of (seed, step, sample index), and nothing else in the trainer carries state across steps.
+
+Where a run starts (:meth:`RunCheckpoints.restore`):
+  1. the newest committed checkpoint under checkpoint.dir (default <train.out_dir>/checkpoints) that verifies, so
+     re-running the same command continues a run (a job requeued after a preemption does exactly this);
+  2. otherwise checkpoint.resume (another run's checkpoint: a step directory or a checkpoint root), with
+     checkpoint.load_optimizer=false for the weights only (a fresh optimizer, data and schedule from step 0);
+  3. otherwise from scratch, refused when train.out_dir already holds a run (its metrics would be mixed in).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from megaloop.config import Config
+
+STOP_EXIT_CODE = 75  # sysexits' EX_TEMPFAIL: the run stopped early on request and saved; run it again to continue
+METADATA_VERSION = 1
+MARKERS = ("STOPPED", "COMPLETED")
+
+
+class ResumeError(ValueError):
+    """A checkpoint that cannot continue this run (another model, nothing loadable, an out_dir already used)."""
+
+
+def checkpoint_root(cfg: Config) -> Path:
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.train.out_dir) / "checkpoints"
+
+
+def state_pieces(model, optimizer, runtime) -> tuple[list, dict]:
+    """This rank's pieces of every global array (parameters and optimizer state) and the optimizer's scalars."""
+    from checkpoints.pieces import Piece
+    from megaloop.optim.combined import sharded_state
+    from pipeline.state_regions import shard_regions
+
+    entries = [(f"model/{name}", name, p.detach(), True) for name, p in model.named_parameters()]
+    opt_entries, scalars = sharded_state(optimizer)
+    pieces = []
+    for array, param, tensor, sharded in entries + opt_entries:
+        spec = runtime.shard_spec(param) if sharded else None
+        pieces += [Piece(array, r.global_shape, r.offsets, r.local)
+                   for r in shard_regions(tensor, spec, runtime.tp_rank)]
+    return pieces, scalars
+
+
+def make_reader_fn(reader, runtime):
+    """read(array, param, sharded) for the optimizers: the whole array, or this rank's tp shard of it; None when
+    the checkpoint has no such array."""
+    from pipeline.state_regions import read_shard
+
+    def read(array: str, param: str, sharded: bool):
+        info = reader.arrays.get(array)
+        if info is None:
+            return None
+        if not sharded:
+            return reader.read(array)
+        spec = runtime.shard_spec(param)
+        local_shape = list(info.shape)
+        if spec is not None:
+            local_shape[spec.dim] //= spec.tp
+        return read_shard(lambda offsets, shape: reader.read(array, offsets, shape), local_shape, spec,
+                          runtime.tp_rank)
+
+    return read
+
+
+def load_model(model, read) -> None:
+    """Copy every parameter from the checkpoint (this rank's shard), refusing a missing or mis-shaped one."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            value = read(f"model/{name}", name, True)
+            if value is None:
+                raise ResumeError(f"the checkpoint has no parameter {name!r}: it was saved for another model; "
+                                  "resume with the config that saved it")
+            if tuple(value.shape) != tuple(p.shape):
+                raise ResumeError(f"parameter {name!r} has shape {tuple(value.shape)} in the checkpoint but "
+                                  f"{tuple(p.shape)} here: the model config differs from the saving run's")
+            p.copy_(value.to(dtype=p.dtype, device=p.device))
+
+
+def config_differences(saved: dict, current: dict, section: str) -> list[str]:
+    a, b = saved.get(section, {}), current.get(section, {})
+    return [f"{section}.{k}: saved {a.get(k)!r}, now {b.get(k)!r}" for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k)]
+
+
+def verify_share(names: list[str], sizes: dict[str, int], rank: int, world: int) -> list[str]:
+    """The arrays this rank verifies: largest first to the least-loaded rank, so the ranks share the reading."""
+    load = [0] * world
+    mine = []
+    for name in sorted(names, key=lambda n: (-sizes[n], n)):
+        owner = min(range(world), key=lambda r: (load[r], r))
+        load[owner] += sizes[name]
+        if owner == rank:
+            mine.append(name)
+    return mine
+
+
+class RunCheckpoints:
+    """Saving and resuming one training job; every method is called by every rank at the same point."""
+
+    def __init__(self, cfg: Config, runtime):
+        self.cfg, self.runtime = cfg, runtime
+        self.root = checkpoint_root(cfg)
+        self.enabled = cfg.parallel.engine == "native"
+        self.tokens_before = 0
+        self.resumed_step = 0
+        self.resumed_from: str | None = None
+        self.last_saved_step: int | None = None
+        self.saved: list[tuple[int, float, float]] = []  # (step, training stall s, background write s), rank 0
+        self._checkpointer = None
+
+    # ---- where the run starts --------------------------------------------------------------------------------
+    def restore(self, model, optimizer, data) -> int:
+        """Load the state the run continues from (see the module docstring); returns the first step to run."""
+        from checkpoints.load import find_checkpoints
+
+        if not self.enabled:
+            self._note("no checkpoints under parallel.engine=deepspeed (its partitioned optimizer state is not saved "
+                       "as layout-free arrays); use the native engine for runs that must resume")
+            self._refuse_used_out_dir()
+            return 0
+        # rank 0's view decides, so that every rank takes the same branch (and none is ahead of another's check)
+        own = [Path(p) for p in self.runtime.all_gather_object([str(p) for p in find_checkpoints(self.root)])[0]]
+        resume = self.cfg.checkpoint.resume
+        if own:
+            reader = self._open_verified(own)
+            self._load_full(reader, model, optimizer, data)
+        elif resume is not None:
+            reader = self._open_verified(self._resume_candidates(Path(resume)))
+            if self.cfg.checkpoint.load_optimizer:
+                self._load_full(reader, model, optimizer, data)
+            else:
+                load_model(model, make_reader_fn(reader, self.runtime))
+                self._note(f"initialised the weights from {reader.path} (step {reader.step}); optimizer, data "
+                           "order and schedule start at step 0")
+                self.resumed_from = str(reader.path)
+        else:
+            self._refuse_used_out_dir()
+        return self.resumed_step
+
+    def _resume_candidates(self, path: Path) -> list[Path]:
+        from checkpoints.load import find_checkpoints
+
+        if (path / "COMMIT").is_file():
+            return [path]
+        found = find_checkpoints(path) if path.is_dir() else []
+        if not found:
+            raise ResumeError(f"checkpoint.resume={str(path)!r} is not a committed checkpoint nor a directory "
+                              "holding one: point it at a step_XXXXXXXX directory or at a checkpoint root")
+        return found
+
+    def _refuse_used_out_dir(self) -> None:
+        out = Path(self.cfg.train.out_dir)
+        if self.runtime.all_gather_object((out / "metrics.jsonl").exists())[0]:
+            raise ResumeError(f"train.out_dir={str(out)!r} already holds a run (metrics.jsonl) and no checkpoint "
+                              f"to continue it from ({self.root}): choose another train.out_dir, or delete "
+                              f"{str(out)!r} to start over")
+
+    def _open_verified(self, candidates: list[Path]):
+        """The newest candidate whose files verify on every rank (each rank checks a share of the arrays);
+        a candidate that fails is reported and the previous one is tried."""
+        from checkpoints.errors import CheckpointError
+        from checkpoints.load import CheckpointReader
+
+        problems = []
+        for path in candidates:
+            error = None
+            try:
+                reader = CheckpointReader(path)
+                sizes = {n: int(torch.Size(a.shape).numel()) for n, a in reader.arrays.items()}
+                reader.verify(verify_share(sorted(sizes), sizes, self.runtime.rank, self.runtime.world_size))
+            except CheckpointError as err:
+                error = str(err)
+            errors = [e for e in self.runtime.all_gather_object(error) if e]
+            if not errors:
+                if problems:
+                    self._note(f"resuming from {path} instead")
+                return reader
+            problems.append(f"{path}: {errors[0]}")
+            self._note(f"checkpoint {path} is unusable ({errors[0]}); falling back to the previous one")
+            self._set_aside(path)
+        raise ResumeError("no checkpoint could be loaded: " + "; ".join(problems) + " (run `python -m checkpoints "
+                          "verify DIR` for details, or move the directory away to start over)")
+
+    def _set_aside(self, path: Path) -> None:
+        """Rename a corrupt checkpoint of this run to <name>.corrupt (kept for inspection, no longer counted by
+        retention nor tried again); another run's checkpoints are never touched."""
+        self.runtime.barrier()  # every rank is done reading it
+        if self.runtime.is_main and path.parent.resolve() == self.root.resolve():
+            aside = path.with_name(f"{path.name}.corrupt")
+            if not aside.exists():
+                path.rename(aside)
+                self._note(f"moved the unusable checkpoint to {aside}")
+
+    def _load_full(self, reader, model, optimizer, data) -> None:
+        from megaloop.optim.combined import load_sharded_state
+
+        meta = reader.metadata
+        missing = [key for key in ("config", "optimizer", "loader") if key not in meta]
+        if missing:
+            raise ResumeError(f"checkpoint {reader.path} holds weights only (no {', '.join(missing)}; e.g. one "
+                              "converted from the official implementation): start from it with "
+                              "checkpoint.resume=... checkpoint.load_optimizer=false")
+        current = json.loads(json.dumps(self.cfg.to_dict()))  # as the metadata holds it (tuples become lists)
+        diffs = config_differences(meta["config"], current, "model")
+        if diffs:
+            raise ResumeError(f"checkpoint {reader.path} was saved for another model ({'; '.join(diffs[:3])}): "
+                              "resume with the config that saved it, or set checkpoint.load_optimizer=false "
+                              "with checkpoint.resume to start a new run from its weights")
+        for diff in config_differences(meta["config"], current, "optim"):
+            self._note(f"note: {diff} (continuing with the new value)")
+        read = make_reader_fn(reader, self.runtime)
+        load_model(model, read)
+        load_sharded_state(optimizer, read, meta["optimizer"])
+        data.loader.load_state_dict(meta["loader"])
+        self.resumed_step = int(reader.step)
+        self.tokens_before = int(meta.get("tokens", 0))
+        self.last_saved_step = self.resumed_step
+        self.resumed_from = str(reader.path)
+        saved, now = meta.get("layout", {}), self.runtime.describe_layout()
+        self._note(f"resuming from {reader.path} (step {reader.step}, {self.tokens_before:,} tokens; saved with "
+                   f"tp={saved.get('tp')} dp={saved.get('dp')}, now tp={now['tp']} dp={now['dp']})")
+
+    # ---- saving ----------------------------------------------------------------------------------------------
+    def save(self, step: int, model, optimizer, data, tokens_this_job: int, wait: bool = False) -> None:
+        """Save the state after `step` optimizer steps (asynchronously unless `wait`; the next save waits)."""
+        if not self.enabled or step == self.last_saved_step:
+            return
+        pieces, scalars = state_pieces(model, optimizer, self.runtime)
+        loader = data.state_dict()
+        if loader["step"] != step:
+            raise RuntimeError(f"the data loader is at global batch {loader['step']} after {step} steps")
+        metadata = {"megaloop_checkpoint": METADATA_VERSION, "config": self.cfg.to_dict(),
+                    "tokens": self.tokens_before + tokens_this_job, "layout": self.runtime.describe_layout(),
+                    "loader": loader, "optimizer": scalars, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    "torch": torch.__version__}
+        self.wait()  # the previous save: its outcome is reported before this one starts
+        self._saver().save(step, pieces, metadata)
+        self.last_saved_step = step
+        if wait:
+            self.wait()
+
+    def prepare(self, model, optimizer) -> None:
+        """Allocate the snapshot buffers in the background (call once the optimizer state exists), so that no save
+        pays for fresh memory on the training thread."""
+        if self.enabled:
+            self._saver().prepare(state_pieces(model, optimizer, self.runtime)[0])
+
+    def wait(self) -> None:
+        """Block until the save in flight is written (and, on rank 0, committed); report a failure."""
+        if self._checkpointer is None:
+            return
+        self._checkpointer.wait()
+        for result in self._checkpointer.take_results():
+            if not result.ok:
+                print(f"megaloop: checkpoint of step {result.step} FAILED and was not committed ({result.error}); "
+                      "training goes on and the next save tries again", file=sys.stderr, flush=True)
+            elif self.runtime.is_main:
+                self.saved.append((result.step, result.stall_s, result.write_s))
+
+    def _saver(self):
+        if self._checkpointer is None:
+            from checkpoints.save import Checkpointer
+
+            self._checkpointer = Checkpointer(self.root, rank=self.runtime.rank, world_size=self.runtime.world_size,
+                                              all_gather_object=self.runtime.all_gather_object,
+                                              keep=self.cfg.checkpoint.keep, async_save=self.cfg.checkpoint.async_save)
+        return self._checkpointer
+
+    def close(self) -> None:
+        if self._checkpointer is not None:
+            self.wait()
+            self._checkpointer.close()
+            self._checkpointer = None
+
+    @property
+    def slowest_save_s(self) -> float:
+        """The longest save so far (training stall + background write), for the time budget."""
+        return max((stall + write for _, stall, write in self.saved), default=0.0)
+
+    # ---- markers for batch scripts ---------------------------------------------------------------------------
+    def mark(self, kind: str | None, **info) -> None:
+        """Rank 0 leaves <out_dir>/STOPPED (an agreed stop saved: requeue the job) or COMPLETED (train.steps done)
+        for a batch script to read, and removes the other; kind None removes both (at the start of a job)."""
+        if not self.runtime.is_main or (kind == "STOPPED" and not self.enabled):  # nothing to resume from
+            return
+        out = Path(self.cfg.train.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        for name in MARKERS:
+            if name != kind:
+                (out / name).unlink(missing_ok=True)
+        if kind is not None:
+            tmp = out / f".{kind}.tmp"
+            tmp.write_text(json.dumps(info) + "\n")
+            tmp.replace(out / kind)
+
+    def _note(self, message: str) -> None:
+        if self.runtime.is_main:
+            print(f"megaloop: {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,87 @@
+"""When a job stops early, agreed by every rank: a signal (preemption, Ctrl-C, scancel) or the job's time budget.
+
+SIGINT, SIGTERM or SIGUSR1 on any rank, or the time budget running out on any rank, make every rank stop at the same
+step boundary: :meth:`StopRequests.agreed` is called by every rank before each step and all-reduces one small number
+(the maximum of each rank's reason code), so a signal that reached one rank first stops all of them at that step.
+The trainer then saves and exits with checkpointing.STOP_EXIT_CODE. A second signal aborts at once.
+
+The time budget: `train.time_limit_s` seconds from the start of training, and the unix time in the environment
+variable MEGALOOP_DEADLINE (a batch script exports its job's end time), whichever comes first. The job stops when
+the time left is less than two of its slowest steps plus its slowest save so far, so that the checkpoint lands in
+time.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from megaloop.config import ConfigError
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+REASONS = {1: "signal", 2: "time limit"}
+
+
+def deadline_from(time_limit_s: float | None, environ=None, now: float | None = None) -> float | None:
+    """The wall-clock time (time.time()) by which this job must have saved, or None."""
+    env = os.environ if environ is None else environ
+    now = time.time() if now is None else now
+    candidates = [now + time_limit_s] if time_limit_s is not None else []
+    if env.get("MEGALOOP_DEADLINE"):
+        try:
+            candidates.append(float(env["MEGALOOP_DEADLINE"]))
+        except ValueError:
+            raise ConfigError("MEGALOOP_DEADLINE (environment)", env["MEGALOOP_DEADLINE"], "must be a unix time in "
+                              "seconds; unset it or export e.g. $(date -d '+1 hour' +%s)") from None
+    return min(candidates) if candidates else None
+
+
+class StopRequests:
+    """Signal handlers and the time budget of one training job; see the module docstring."""
+
+    def __init__(self, deadline: float | None = None):
+        self.deadline = deadline
+        self.signal_name: str | None = None
+        self.reason: str | None = None
+        self.slowest_step = 0.0
+        self.slowest_save = 0.0
+        self._signalled = False
+        self._old = {}
+
+    def note_step(self, seconds: float) -> None:
+        self.slowest_step = max(self.slowest_step, seconds)
+
+    def note_save(self, seconds: float) -> None:
+        self.slowest_save = max(self.slowest_save, seconds)
+
+    def _local_code(self) -> int:
+        if self._signalled:
+            return 1
+        if self.deadline is not None and time.time() + 2 * self.slowest_step + self.slowest_save >= self.deadline:
+            return 2
+        return 0
+
+    def agreed(self, runtime) -> bool:
+        """True on every rank at the same step once any rank has a reason to stop (one small all-reduce)."""
+        code = int(runtime.world_max(float(self._local_code())))
+        if code:
+            self.reason = self.signal_name if code == 1 and self.signal_name else REASONS[code]
+        return bool(code)
+
+    def __enter__(self):
+        for sig in STOP_SIGNALS:
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        if self._signalled:  # a second signal aborts at once
+            raise KeyboardInterrupt
+        self._signalled = True
+        self.signal_name = signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)

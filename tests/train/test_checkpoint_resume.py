@@ -1,0 +1,194 @@
+"""Checkpoints in one process, through megaloop's trainer: a run stopped at step 20 and re-run to 40 equals the
+40-step run bit for bit (fp32, same thread count: per-sequence depths, gradient accumulation, Muon + AdamW), and the
+saved arrays are the parameters it trained; weights-only starts, refusals of a used out_dir and of another model;
+a corrupt newest checkpoint falls back to the previous one."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoints.load import CheckpointReader, find_checkpoints
+from megaloop.config import load_config
+from megaloop.train.checkpointing import ResumeError, RunCheckpoints
+from megaloop.train.data import open_data
+from megaloop.train.loop import build_model_and_optimizer, train
+from megaloop.train.metrics import read_metrics
+from megaloop.train.runtime import SingleProcessRuntime
+from megaloop.train.stopping import deadline_from
+
+TINY = Path(__file__).resolve().parents[2] / "configs" / "parcae-tiny.yaml"
+
+
+class KeepingRuntime(SingleProcessRuntime):
+    """The single-process runtime, keeping the model so that a test can read its final parameters."""
+
+    def prepare_model(self, model):
+        self.model = model
+        return model
+
+
+def overrides(shards, out_dir, steps: int, *extra: str) -> list[str]:
+    """parcae-tiny on 32-token rows: 12 rows per step in micro-batches of 2 (6 per step: gradient accumulation),
+    per-sequence depths (poisson-truncated-full, mu_rec 4), Muon + AdamW, fp32."""
+    return [f"data.shards={shards}", f"train.out_dir={out_dir}", f"train.steps={steps}", "model.vocab_size=512",
+            "model.seq_len=32", "data.micro_batch_size=2", "data.global_batch_size=12", "data.val_batches=1",
+            "train.val_every=1000", "train.progress=false", "train.precision=fp32", "train.val_depths=[2]",
+            *extra]
+
+
+def run(shards, out_dir, steps: int, *extra: str):
+    runtime = KeepingRuntime(torch.device("cpu"))
+    summary = train(load_config(str(TINY), overrides(shards, out_dir, steps, *extra)), runtime=runtime)
+    return summary, {n: p.detach().clone() for n, p in runtime.model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_shards, tmp_path_factory):
+    out = tmp_path_factory.mktemp("straight")
+    summary, params = run(tiny_shards, out, 40)
+    return out, summary, params
+
+
+def test_stop_and_rerun_equals_straight_run_bitwise(straight, tiny_shards, tmp_path):
+    out_a, summary_a, params_a = straight
+    first, _ = run(tiny_shards, tmp_path, 40, "train.stop_at_step=20")
+    assert first.interrupted and first.steps_done == 20 and not first.val  # no validation on the way out
+    second, params_b = run(tiny_shards, tmp_path, 40)
+    assert second.start_step == 20 and second.steps_done == 40
+    losses_b = first.losses + second.losses
+    print(f"40 straight: losses {summary_a.losses[0]:.6f} .. {summary_a.losses[-1]:.6f}; 20 + 20: "
+          f"{losses_b[0]:.6f} .. {losses_b[-1]:.6f}; identical losses {losses_b == summary_a.losses}, identical "
+          f"parameters {all(torch.equal(params_b[n], p) for n, p in params_a.items())}")
+    assert losses_b == summary_a.losses
+    assert all(torch.equal(params_b[n], p) for n, p in params_a.items())
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(40))
+    assert [r["step"] for r in records if r["kind"] == "resume"] == [20]
+
+
+def test_saved_arrays_are_the_trained_state(straight):
+    out, summary, params = straight
+    found = find_checkpoints(out / "checkpoints")
+    reader = CheckpointReader(found[0])
+    assert reader.step == 40 and reader.metadata["loader"]["step"] == 40
+    for name, p in params.items():
+        assert torch.equal(reader.read(f"model/{name}"), p), name
+    names = set(reader.arrays)
+    assert any(n.startswith("optim/muon/momentum_buffer/") for n in names)
+    assert any(n.startswith("optim/muon/second_moment/") for n in names)
+    assert any(n.startswith("optim/adamw/exp_avg_sq/") for n in names)
+    moment = next(n for n in names if n.startswith("optim/adamw/exp_avg/"))
+    assert reader.read(moment).abs().sum() > 0  # real moments, not a fresh state
+    assert reader.metadata["optimizer"]["iteration"] == 40
+
+
+def test_rerun_of_a_finished_run_does_nothing(straight, tiny_shards, capfd):
+    out, summary, params = straight
+    again, params_again = run(tiny_shards, out, 40)
+    assert again.start_step == again.steps_done == 40 and not again.losses
+    assert "nothing to do" in capfd.readouterr().err
+    assert all(torch.equal(params_again[n], p) for n, p in params.items())
+
+
+def test_weights_only_start_from_another_run(straight, tiny_shards, tmp_path):
+    out, _, params = straight
+    cfg = load_config(str(TINY), overrides(tiny_shards, tmp_path, 1, f"checkpoint.resume={out / 'checkpoints'}",
+                                           "checkpoint.load_optimizer=false"))
+    runtime = KeepingRuntime(torch.device("cpu"))
+    data = open_data(cfg, 0, 1)
+    model, optimizer = build_model_and_optimizer(cfg, runtime, torch.device("cpu"))
+    start = RunCheckpoints(cfg, runtime).restore(model, optimizer, data)
+    data.close()
+    assert start == 0 and optimizer.iteration == 0 and data.state_dict()["step"] == 0
+    assert not optimizer.muon.state and not optimizer.adamw.state  # a fresh optimizer
+    assert all(torch.equal(p, params[n]) for n, p in model.named_parameters())
+    summary, _ = run(tiny_shards, tmp_path, 1, f"checkpoint.resume={out / 'checkpoints'}",
+                     "checkpoint.load_optimizer=false")
+    assert summary.start_step == 0 and summary.steps_done == 1
+
+
+def test_fresh_run_in_a_used_out_dir_is_refused(tiny_shards, tmp_path):
+    run(tiny_shards, tmp_path, 2)
+    shutil.rmtree(tmp_path / "checkpoints")
+    with pytest.raises(ResumeError, match="already holds a run"):
+        run(tiny_shards, tmp_path, 4)
+
+
+def test_resume_with_another_model_is_refused(straight, tiny_shards, tmp_path):
+    out, _, _ = straight
+    shutil.copytree(out / "checkpoints", tmp_path / "checkpoints")
+    with pytest.raises(ResumeError, match="model.mu_rec"):
+        run(tiny_shards, tmp_path, 50, "model.mu_rec=6")
+
+
+def flip_a_byte(step_dir: Path) -> str:
+    """Flip one byte of the largest chunk file of a model array; returns the array's name."""
+    chunks = [p for p in (step_dir / "model").rglob("*") if p.is_file() and p.name != "zarr.json"]
+    target = max(chunks, key=lambda p: p.stat().st_size)
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    target.write_bytes(bytes(data))
+    return target.relative_to(step_dir / "model").parts[0]
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tiny_shards, tmp_path, capfd):
+    run(tiny_shards, tmp_path, 20, "checkpoint.every=10")
+    found = find_checkpoints(tmp_path / "checkpoints")
+    assert [CheckpointReader(p).step for p in found] == [20, 10]
+    array = flip_a_byte(found[0])
+    summary, _ = run(tiny_shards, tmp_path, 22)
+    err = capfd.readouterr().err
+    assert summary.start_step == 10, err
+    assert array in err and "falling back" in err
+    # the corrupt one is set aside (not tried again, not counted by retention); the new one is the latest
+    assert (tmp_path / "checkpoints" / "step_00000020.corrupt").is_dir()
+    assert [CheckpointReader(p).step for p in find_checkpoints(tmp_path / "checkpoints")] == [22, 10]
+
+
+def test_failed_write_keeps_the_previous_checkpoint(tiny_shards, tmp_path, monkeypatch, capfd):
+    import errno
+
+    import checkpoints.files as ckpt_files
+
+    real = ckpt_files.write_file
+
+    def full_disk_at_step_20(path, data):
+        if "step_00000020" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path, data)
+
+    monkeypatch.setattr(ckpt_files, "write_file", full_disk_at_step_20)
+    summary, _ = run(tiny_shards, tmp_path, 20, "checkpoint.every=10")
+    err = capfd.readouterr().err
+    assert summary.steps_done == 20
+    assert "checkpoint of step 20 FAILED" in err and "No space left on device" in err, err
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000010"
+    assert [CheckpointReader(p).step for p in find_checkpoints(tmp_path / "checkpoints")] == [10]
+    monkeypatch.setattr(ckpt_files, "write_file", real)
+    again, _ = run(tiny_shards, tmp_path, 20)
+    assert again.start_step == 10 and again.steps_done == 20
+
+
+def test_time_limit_stops_saves_and_marks_for_requeue(tiny_shards, tmp_path):
+    summary, _ = run(tiny_shards, tmp_path, 500, "train.time_limit_s=4")
+    assert summary.interrupted and summary.stop_reason == "time limit" and 0 < summary.steps_done < 500
+    stopped = json.loads((tmp_path / "STOPPED").read_text())
+    assert stopped["step"] == summary.steps_done
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == f"step_{summary.steps_done:08d}"
+    again, _ = run(tiny_shards, tmp_path, summary.steps_done + 2)
+    assert again.start_step == summary.steps_done and not again.interrupted
+    assert not (tmp_path / "STOPPED").exists()
+    assert json.loads((tmp_path / "COMPLETED").read_text())["step"] == summary.steps_done + 2
+
+
+def test_deadline_is_the_earlier_of_limit_and_environment():
+    assert deadline_from(None, {}, now=100.0) is None
+    assert deadline_from(50.0, {}, now=100.0) == 150.0
+    assert deadline_from(50.0, {"MEGALOOP_DEADLINE": "120"}, now=100.0) == 120.0
+    assert deadline_from(None, {"MEGALOOP_DEADLINE": "1e9"}, now=100.0) == 1e9
+    with pytest.raises(ValueError, match="MEGALOOP_DEADLINE"):
+        deadline_from(None, {"MEGALOOP_DEADLINE": "tomorrow"}, now=100.0)
