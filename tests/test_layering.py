@@ -1,4 +1,4 @@
-"""Dependencies point one way: pipeline/, data_prep/ and checkpoints/ never import megaloop (ARCHITECTURE.md);
+"""Dependencies point one way: pipeline/, data_prep/, checkpoints/ and slurm/ never import megaloop (ARCHITECTURE.md);
 megaloop/model holds no parallel code (no torch.distributed, no pipeline import)."""
 import ast
 from pathlib import Path
@@ -23,7 +23,7 @@ def python_files(package: str) -> list[Path]:
     return sorted((REPO / package).rglob("*.py"))
 
 
-@pytest.mark.parametrize("package", ["pipeline", "data_prep", "checkpoints"])
+@pytest.mark.parametrize("package", ["pipeline", "data_prep", "checkpoints", "slurm"])
 def test_lower_layers_never_import_megaloop(package):
     files = python_files(package)
     assert files, f"{package} has no Python files"

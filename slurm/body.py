@@ -1,0 +1,112 @@
+"""The fixed parts of the batch script (bash). They read only Slurm's variables and the run variables that
+slurm/script.py renders above them (PYTHON, NPROC_PER_NODE, REQUEUE, TRAIN, OUT_DIR, POINT); no user text is
+pasted into them. How a stop reaches the training processes was measured on Slurm 22.05 with torch 2.13's torchrun
+and is explained in the script's own comment above its traps and in slurm/agent.py."""
+
+PRELUDE = r"""set -o pipefail
+log() { echo "[megaloop-job $(date '+%F %T')] $*"; }
+"""
+
+RENDEZVOUS = r"""# Rendezvous: torchrun's c10d store on the first node of the allocation, on a port derived from the job id so
+# that jobs sharing a node do not collide.
+MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
+export MASTER_ADDR MASTER_PORT"""
+
+NCCL = r"""# NCCL / InfiniBand defaults for H100 clusters. Each keeps a value already in the environment (sbatch passes the
+# submitting shell's environment on), so `export NCCL_SOCKET_IFNAME=ib0` before sbatch, or --env, overrides it.
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+export NCCL_IB_DISABLE=${NCCL_IB_DISABLE:-0}          # use InfiniBand / RoCE (GPUDirect RDMA) when present
+export NCCL_ASYNC_ERROR_HANDLING=${NCCL_ASYNC_ERROR_HANDLING:-1}              # a failed or timed-out collective
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}  # aborts its process, no hang
+# export NCCL_SOCKET_IFNAME=ib0   # NCCL's bootstrap interface, when the nodes have several (e.g. ib0, bond0)"""
+
+DEADLINE_AND_TRAP = r"""# The job's end time: the trainer saves and stops before it (MEGALOOP_DEADLINE, a unix time, 60 s left for the
+# requeue) even when the USR1 of --signal comes late or not at all.
+END_TIME=$(squeue -h -j "$SLURM_JOB_ID" -o %e 2>/dev/null | head -n 1)
+if [[ $END_TIME =~ ^[0-9]{4}-[0-9]{2}-[0-9]{2}T ]] && END_S=$(date -d "$END_TIME" +%s 2>/dev/null); then
+  export MEGALOOP_DEADLINE=$((END_S - 60))
+fi
+
+# Stops. `--signal=B:USR1@LEAD` and `scancel --signal=USR1 --batch JOB` signal this shell only (srun and the
+# training processes see nothing): the trap forwards USR1 to srun, which delivers it to EVERY process of the training
+# step on every node, each torchrun agent and each worker. Cancellation, preemption and the time limit: Slurm itself
+# sends SIGTERM to every process of every step (then SIGKILL after the cluster's KillWait), so TERM is not forwarded:
+# a second signal makes the trainer abort instead of save. Plain torchrun would die of USR1 and would answer TERM by
+# signalling its workers once more; `python -m slurm.agent` runs torchrun leaving both signals to the workers. Each
+# worker gets exactly one, they agree on one step, save a checkpoint and exit 75 (torchrun itself then exits 1, so
+# the outcome is read from the markers the trainer writes: COMPLETED -> done; STOPPED -> `scontrol requeue`, unless
+# the stop came with SIGTERM: cancelled, or preempted and requeued by Slurm itself; neither -> failed). bash runs a
+# trap only after the foreground command returns, so srun runs in the background and the script waits for it.
+STEP_PID=""
+STOP_SIGNAL=""
+CANCELLED=""
+TRAPPED=0
+on_usr1() {
+  TRAPPED=1
+  if [ -n "$STOP_SIGNAL" ]; then log "USR1 again: ignored, the stop is under way"; return; fi
+  STOP_SIGNAL=USR1
+  log "USR1: every training process stops at the next step, saves a checkpoint and the job requeues"
+  if [ -n "$STEP_PID" ]; then kill -USR1 "$STEP_PID" 2>/dev/null; fi
+}
+on_term() {
+  TRAPPED=1
+  CANCELLED=1
+  log "TERM (cancel, preemption or time limit): Slurm signals the training processes itself; they save and stop"
+}
+trap on_usr1 USR1
+trap on_term TERM
+
+"""
+
+LAUNCH_HEAD = r"""# Launch: one torchrun per node (srun), in the background, then wait for it.
+step_of() { sed -n 's/.*"step": *\([0-9]*\).*/\1/p' "$1" 2>/dev/null; }
+PREVIOUS_STOP=$(step_of "$OUT_DIR/STOPPED")  # the step the previous job of this run stopped at, if it did
+rm -f "$OUT_DIR/COMPLETED" "$OUT_DIR/STOPPED"
+log "job ${SLURM_JOB_ID} (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NUM_NODES} node(s) ${SLURM_JOB_NODELIST}," \
+    "${NPROC_PER_NODE} processes per node, rendezvous ${MASTER_ADDR}:${MASTER_PORT}, out_dir ${OUT_DIR}"
+if [ -n "$STOP_SIGNAL$CANCELLED" ]; then
+  log "stopped before training started"
+  if [ -z "$CANCELLED" ] && [ "$REQUEUE" = 1 ]; then scontrol requeue "$SLURM_JOB_ID"; fi
+  exit 0
+fi"""
+
+LAUNCH_TAIL = r"""STEP_PID=$!
+while :; do
+  TRAPPED=0
+  wait "$STEP_PID"
+  RC=$?
+  if [ "$TRAPPED" = 0 ] || [ "$RC" -lt 128 ]; then break; fi
+done
+log "training step ended with exit code $RC"
+
+"""
+
+OUTCOME = r"""# Outcome, from the trainer's markers in its out_dir.
+if [ -f "$OUT_DIR/COMPLETED" ]; then
+  log "training completed: $(cat "$OUT_DIR/COMPLETED")"
+  exit 0
+fi
+if [ -f "$OUT_DIR/STOPPED" ]; then
+  if [ -n "$CANCELLED" ]; then
+    log "stopped and saved after SIGTERM: not requeued by this script (submit again to continue)"
+    exit 0
+  fi
+  if [ "$REQUEUE" != 1 ]; then
+    log "stopped and saved: this segment is done; the next job of the chain continues"
+    exit 0
+  fi
+  if [ -n "$PREVIOUS_STOP" ] && [ "$(step_of "$OUT_DIR/STOPPED")" = "$PREVIOUS_STOP" ]; then
+    log "stopped at step $PREVIOUS_STOP again, with no progress since the previous job: not requeueing (a longer" \
+        "--time or a later stop would let it train)"
+    exit 75
+  fi
+  log "stopped and saved ($(cat "$OUT_DIR/STOPPED")): requeueing job ${SLURM_JOB_ID}"
+  if scontrol requeue "$SLURM_JOB_ID"; then exit 0; fi
+  log "scontrol requeue failed: submit the same job again to continue from its checkpoint"
+  exit 75
+fi
+log "training failed (no COMPLETED or STOPPED in ${OUT_DIR}); submit again to resume from the last checkpoint"
+if [ "$RC" = 0 ]; then exit 1; fi
+exit "$RC"
+"""
