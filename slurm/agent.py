@@ -7,9 +7,11 @@ and answers SIGTERM or SIGINT by sending SIGTERM to each worker once more; the t
 "abort now" rather than "save". Here the agent only notes those signals and keeps watching its workers, which have
 received the signal directly: they agree on one step, save a checkpoint and exit with the trainer's stop code (75).
 
-Exit code: 0 when every worker exited 0, or when every worker that ended with an error ended with the stop code
-(an agreed stop: a non-zero code here would make `srun --kill-on-bad-exit` kill the other nodes while rank 0 may
-still be writing its STOPPED marker; the batch script reads the outcome from the markers); else 1, as torchrun.
+Exit code: 0 when every worker exited 0, or after an agreed stop: some worker exited with the stop code and every
+other one that failed did too or was ended by SIGTERM (torchrun terminates the rest of its workers as soon as the
+first one exits non-zero; by then the checkpoint is committed). A non-zero code there would make
+`srun --kill-on-bad-exit` kill the other nodes while rank 0 may still be writing its STOPPED marker; the batch script
+reads the outcome from the markers. Otherwise 1, as torchrun.
 Imports torch only, never megaloop."""
 from __future__ import annotations
 
@@ -23,6 +25,11 @@ LEFT_TO_WORKERS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 def _note(signum, frame) -> None:
     print(f"[slurm.agent] {signal.Signals(signum).name}: left to the workers (they stop at an agreed step and save)",
           file=sys.stderr, flush=True)
+
+
+def agreed_stop(codes: list[int]) -> bool:
+    """The failed workers' exit codes (negative: the signal that ended them) tell an agreed stop."""
+    return STOP_EXIT_CODE in codes and set(codes) <= {STOP_EXIT_CODE, -signal.SIGTERM}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         torchrun(["--signals-to-handle=SIGHUP,SIGQUIT", *argv])
     except ChildFailedError as err:
         codes = sorted({f.exitcode for f in err.failures.values()})
-        if codes == [STOP_EXIT_CODE]:
+        if agreed_stop(codes):
             print(f"[slurm.agent] workers stopped at an agreed step (exit {STOP_EXIT_CODE})", file=sys.stderr,
                   flush=True)
             return 0

@@ -3,6 +3,7 @@
    cluster, so there is no sacct), metrics and checkpoints are there;
 2. `scancel --signal=USR1 --batch` mid-run, twice: each time every rank stops at one step and saves, the job requeues
    itself and resumes; the final per-step losses equal the uninterrupted run's bit for bit;
+   `scancel JOB` (SIGTERM to every process): the ranks save, and the job is not requeued;
 3. kill -9 of one rank mid-run: the other rank is gone within 60 s, the job is FAILED, and submitting it again resumes
    from the last checkpoint and ends with the uninterrupted run's losses;
 4. a 4-point isoFLOP job array runs to completion, each point training budget / FLOPs-per-token tokens (within one
@@ -90,6 +91,22 @@ def test_preempted_twice_requeues_and_resumes_exactly(reference, tiny_shards, tm
     assert sorted(losses) == list(range(STEPS))
     assert losses == ref, "the resumed run's losses differ from the uninterrupted run's"
     assert ref_out != out
+
+
+def test_cancelled_job_saves_and_is_not_requeued(cluster, tiny_shards, tmp_path):
+    """`scancel JOB`: Slurm sends SIGTERM to every process; the ranks still save, and the job stays cancelled."""
+    job = submit(tiny_shards, tmp_path, "cancelled", STEPS)
+    out = tmp_path / "cancelled"
+    wait_until(lambda: last_step(out) >= 15, 300, "step 15", interval=0.05)
+    subprocess.run(["scancel", job], check=True)
+    wait_gone(job, 60)
+    state, log = job_state(job), job_log(out, job)
+    stopped = json.loads((out / "STOPPED").read_text())
+    print(f"job {job}: cancelled after step {stopped['step']}, JobState={state['JobState']} "
+          f"Restarts={state['Restarts']}")
+    assert state["JobState"] == "CANCELLED" and state["Restarts"] == "0", log
+    assert stopped["reason"] == "SIGTERM" and "not requeued" in log
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{stopped['step']:08d}"
 
 
 def test_killed_rank_fails_job_and_resubmission_resumes(reference, tiny_shards, tmp_path):

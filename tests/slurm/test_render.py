@@ -96,6 +96,13 @@ def test_missing_config_and_help():
     assert agent.returncode == 0 and "left to the workers" in agent.stdout
 
 
+def test_agent_tells_an_agreed_stop_from_a_failure():
+    from slurm.agent import agreed_stop
+
+    assert agreed_stop([75]) and agreed_stop([-15, 75])
+    assert not agreed_stop([-15]) and not agreed_stop([-9, 75]) and not agreed_stop([1, 75]) and not agreed_stop([1])
+
+
 @pytest.mark.parametrize("value,seconds", [("30", 1800), ("30:15", 1815), ("4:00:00", 14400), ("2-00", 172800),
                                            ("1-02:03", 93780), ("1-02:03:04", 93784)])
 def test_time_formats(value, seconds):
