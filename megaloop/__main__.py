@@ -1,4 +1,4 @@
-"""megaloop command line: `python -m megaloop train CONFIG [--set key=value ...]`, `python -m megaloop check CONFIG`."""
+"""megaloop command line: `python -m megaloop train|check|flops CONFIG [--set key=value ...]`."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +9,10 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="megaloop", description="Pretraining of stable looped (Parcae) language models.")
     sub = ap.add_subparsers(dest="command", required=True)
     for name, help_text in (("train", "train a model from a YAML config"),
-                            ("check", "validate a config and print the resolved tree and model size, then exit")):
+                            ("check", "validate a config and print the resolved tree and model size, then exit"),
+                            ("flops", "print the training FLOPs per token at mu_rec (paper Eq. 14 + attention, "
+                                      "full convention) and the tokens per step, as one JSON line; the data "
+                                      "directory need not exist (used by `python -m slurm sweep`)")):
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("config", help="YAML config, e.g. configs/parcae-tiny.yaml")
         p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -39,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     from megaloop.config import ConfigError, load_config
 
     try:
+        if args.command == "flops":
+            return _flops(load_config(args.config, args.overrides, validate=False))
         cfg = load_config(args.config, args.overrides, world_size=_world_size(args.command))
     except (ConfigError, FileNotFoundError) as err:
         print(f"megaloop: {err}", file=sys.stderr)
@@ -54,6 +59,22 @@ def main(argv: list[str] | None = None) -> int:
     from megaloop.train.cli import run_training
 
     return run_training(cfg)
+
+
+def _flops(cfg) -> int:
+    """One JSON line: FLOPs per trained token at the mean depth mu_rec (mu_rec - k forward-only loop steps and k with
+    gradient), tokens per optimizer step. Only the model section is validated."""
+    import json
+
+    from megaloop.train.flops import FlopModel
+
+    m = cfg.model
+    m.validate()
+    k = m.backprop_depth if m.is_looped else 0
+    n = m.mu_rec - k if m.is_looped else 0
+    print(json.dumps({"flops_per_token": FlopModel.of(m).per_token(n, k),
+                      "tokens_per_step": cfg.data.global_batch_size * m.seq_len, "mu_rec": m.mu_rec, "mu_bwd": k}))
+    return 0
 
 
 def _check(cfg) -> int:

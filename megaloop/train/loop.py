@@ -129,9 +129,9 @@ def _run(cfg, runtime, model, optimizer, data, ckpt, start, device) -> RunSummar
                        summary, flag, val_depths, ckpt)
             if summary.steps_done > start:
                 ckpt.save(summary.steps_done, model, optimizer, data, summary.tokens, wait=True)
+            if summary.interrupted:  # before any rank can exit (a launcher may then signal the others)
+                ckpt.mark("STOPPED", step=summary.steps_done, reason=summary.stop_reason)
             runtime.barrier()  # every rank leaves after rank 0 committed the checkpoint
-        if summary.interrupted:
-            ckpt.mark("STOPPED", step=summary.steps_done, reason=summary.stop_reason)
         if not summary.interrupted and summary.steps_done > start:
             summary.val = validation_losses(model, data.val_batches(), final_val_depths(cfg, val_depths),
                                             cfg.train.seed, cfg.train.precision, device, runtime,

@@ -52,3 +52,28 @@ def test_useful_and_executed_follow_depths():
     assert executed > useful
     same = torch.tensor([2, 2, 2])
     assert fm.executed(same, same, 4) == pytest.approx(fm.useful(same, same, 4), rel=1e-12)
+
+
+def test_flops_command_prints_the_flop_model_at_mu_rec(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from megaloop.config import load_config
+    from megaloop.train.flops import FlopModel
+
+    config = str(Path(__file__).resolve().parents[2] / "configs" / "parcae-140m.yaml")
+    sets = ["model.mu_rec=6", "data.shards=" + str(tmp_path / "absent")]  # the data need not exist
+    done = subprocess.run([sys.executable, "-m", "megaloop", "flops", config] + [a for s in sets for a in ("--set", s)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    m = load_config(config, sets, validate=False).model
+    assert got["mu_rec"] == 6 and got["mu_bwd"] == 4 == m.backprop_depth  # parcae-140m keeps mu_bwd 4
+    # 2 forward-only loop steps and 4 with gradient at the mean depth 6
+    fm = FlopModel.of(m)
+    assert got["flops_per_token"] == fm.non_loop + 2 * fm.step_nograd + 4 * fm.step_grad
+    assert got["tokens_per_step"] == 256 * 2048  # data.global_batch_size x model.seq_len of parcae-140m
+    bad = subprocess.run([sys.executable, "-m", "megaloop", "flops", config, "--set", "model.mu_rec=0"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "model.mu_rec" in bad.stderr
