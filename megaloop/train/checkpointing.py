@@ -94,16 +94,13 @@ def config_differences(saved: dict, current: dict, section: str) -> list[str]:
             if a.get(k) != b.get(k)]
 
 
-def verify_share(names: list[str], sizes: dict[str, int], rank: int, world: int) -> list[str]:
-    """The arrays this rank verifies: largest first to the least-loaded rank, so the ranks share the reading."""
-    load = [0] * world
-    mine = []
-    for name in sorted(names, key=lambda n: (-sizes[n], n)):
-        owner = min(range(world), key=lambda r: (load[r], r))
-        load[owner] += sizes[name]
-        if owner == rank:
-            mine.append(name)
-    return mine
+def verify_share(sizes: dict[str, int], rank: int, world: int) -> list[str]:
+    """The arrays this rank verifies: balanced by bytes over the ranks (largest first to the least loaded), so that
+    together they read the checkpoint once."""
+    from pipeline.dist_muon import assign_owners
+
+    names = sorted(sizes)
+    return [n for n, owner in zip(names, assign_owners([sizes[n] for n in names], world)) if owner == rank]
 
 
 class RunCheckpoints:
@@ -137,6 +134,7 @@ class RunCheckpoints:
             reader = self._open_verified(own)
             self._load_full(reader, model, optimizer, data)
         elif resume is not None:
+            self._refuse_used_out_dir()
             reader = self._open_verified(self._resume_candidates(Path(resume)))
             if self.cfg.checkpoint.load_optimizer:
                 self._load_full(reader, model, optimizer, data)
@@ -179,7 +177,7 @@ class RunCheckpoints:
             try:
                 reader = CheckpointReader(path)
                 sizes = {n: int(torch.Size(a.shape).numel()) for n, a in reader.arrays.items()}
-                reader.verify(verify_share(sorted(sizes), sizes, self.runtime.rank, self.runtime.world_size))
+                reader.verify(verify_share(sizes, self.runtime.rank, self.runtime.world_size))
             except CheckpointError as err:
                 error = str(err)
             errors = [e for e in self.runtime.all_gather_object(error) if e]

@@ -192,3 +192,14 @@ def test_deadline_is_the_earlier_of_limit_and_environment():
     assert deadline_from(None, {"MEGALOOP_DEADLINE": "1e9"}, now=100.0) == 1e9
     with pytest.raises(ValueError, match="MEGALOOP_DEADLINE"):
         deadline_from(None, {"MEGALOOP_DEADLINE": "tomorrow"}, now=100.0)
+
+
+def test_ranks_share_the_verification():
+    from megaloop.train.checkpointing import verify_share
+
+    sizes = {f"a{i}": size for i, size in enumerate([100, 90, 50, 40, 30, 20, 10, 10, 5])}
+    shares = [verify_share(sizes, rank, 3) for rank in range(3)]
+    assert sorted(n for share in shares for n in share) == sorted(sizes)  # every array once
+    loads = [sum(sizes[n] for n in share) for share in shares]
+    assert max(loads) - min(loads) <= max(sizes.values())  # balanced within one array
+    assert verify_share(sizes, 0, 1) == sorted(sizes)
