@@ -83,6 +83,12 @@ def check_before_training(cfg: Config) -> None:
     if cfg.train.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device", cfg.train.device, "no CUDA device is available on this machine; use "
                           "train.device=cpu, or auto (a GPU when there is one, else the CPU)")
+    if cfg.model.attn_backend == "flash" and torch.cuda.is_available():
+        from megaloop.model.attention import _flash_attn_func
+
+        if _flash_attn_func() is None:
+            raise ConfigError("model.attn_backend", "flash", "flash-attn is not installed here (pip install -r "
+                              "requirements-gpu.txt), or use auto (flash-attn when present, else PyTorch's sdpa)")
     out = Path(cfg.train.out_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError("train.out_dir", cfg.train.out_dir, "is a file, not a directory; choose another "
