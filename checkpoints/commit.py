@@ -54,7 +54,6 @@ def _mark_committed(tmp: Path, step: int, token: str, parts: list[dict]) -> None
         "algorithm": files.HASH_ALGORITHM, "files": dict(sorted(merged.items()))}))
     for rank in range(len(parts)):
         (tmp / files.manifest_part_name(rank)).unlink(missing_ok=True)
-    (tmp / "READY").unlink(missing_ok=True)
     files.write_file(tmp / "COMMIT", _json_bytes({"step": step, "token": token, "time": time.time()}))
     files.fsync_dir(tmp)
 

@@ -25,7 +25,7 @@ TORCH_DTYPES = {name: getattr(torch, name) for name in STORAGE_DTYPE}
 ITEMSIZE = {name: torch.empty((), dtype=dt).element_size() for name, dt in TORCH_DTYPES.items()}
 
 # Top-level names that hold the checkpoint's own files; an array may not take them.
-RESERVED_TOP = {"metadata.json", "manifest.json", "COMMIT", "READY", "ABORTED", "zarr.json"}
+RESERVED_TOP = {"metadata.json", "manifest.json", "COMMIT", "ABORTED", "zarr.json"}
 _COMPONENT = re.compile(r"^[A-Za-z0-9_.+\-]+$")
 
 

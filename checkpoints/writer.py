@@ -1,10 +1,9 @@
 """One rank's part of a save, run on the background thread: create (rank 0), write own chunks, hash, record.
 
-Rank 0 creates the staging directory ``step_XXXXXXXX.tmp-<token>`` with the zarr v3 group and array metadata
+Rank 0 creates the zarr v3 group and array metadata in the staging directory ``step_XXXXXXXX.tmp-<token>``
 (global shape, the plan's chunk shape, no compression: plain little-endian ``bytes`` codec, fill value 0,
-attribute ``torch_dtype``) and ``metadata.json``, then writes ``READY`` holding the token. The other ranks wait for
-that marker (the token guards against a marker left by an earlier, killed attempt) and every rank then writes the
-chunk files the plan gives it. Chunk files are written directly in zarr's layout (``<array>/c/i/j``, the raw
+attribute ``torch_dtype``) and ``metadata.json``, while every rank writes the chunk files the plan gives it (the
+token in the directory's name keeps a killed earlier attempt's files apart, so nobody waits for anybody here). Chunk files are written directly in zarr's layout (``<array>/c/i/j``, the raw
 little-endian C-order bytes of the block) through the ``file_writer`` hook, hashing the bytes as they go out.
 Each rank ends by writing ``manifest.rankNNNNN.json`` (its files with size and checksum) or, if anything failed,
 ``failed.rankNNNNN.json`` with the error, both atomically.
@@ -52,10 +51,12 @@ def run_write(job: WriteJob) -> int:
     """Write this rank's part and its partial manifest; returns the chunk bytes written. On error, records
     ``failed.rankNNNNN.json`` (and, on rank 0, ``ABORTED``) and re-raises."""
     try:
-        recorded = _create_layout(job) if job.rank == 0 else {}
-        if job.rank != 0:
-            _wait_ready(job)
-        chunks, nbytes = _write_chunks(job)
+        # the staging directory's name carries this save's token, so no rank can meet a stale attempt there: the
+        # others write their chunk files at once, while rank 0 creates the zarr metadata beside them
+        with ThreadPoolExecutor(max_workers=1) as layout_thread:
+            layout = layout_thread.submit(_create_layout, job) if job.rank == 0 else None
+            chunks, nbytes = _write_chunks(job)
+            recorded = layout.result() if layout is not None else {}
         recorded.update(chunks)
         files.atomic_write_json(job.tmp / files.manifest_part_name(job.rank), {
             "rank": job.rank, "token": job.token, "algorithm": files.HASH_ALGORITHM,
@@ -92,7 +93,7 @@ def array_json(shape, chunks, dtype: str) -> dict:
 
 
 def _create_layout(job: WriteJob) -> dict:
-    """Rank 0: staging dir, zarr group and arrays, metadata.json, READY. Returns their manifest entries."""
+    """Rank 0: staging dir, zarr group and arrays, metadata.json. Returns their manifest entries."""
     job.tmp.mkdir(parents=True, exist_ok=True)
     nodes = {a.name: ArrayV3Metadata.from_dict(array_json(a.shape, a.chunks, a.dtype))
              for a in job.plan.arrays.values()}
@@ -107,20 +108,7 @@ def _create_layout(job: WriteJob) -> dict:
         size, digest = files.file_digest(path)
         recorded[path.relative_to(job.tmp).as_posix()] = {"size": size, files.HASH_ALGORITHM: digest}
     files.fsync_dir(job.tmp)
-    files.atomic_write_json(job.tmp / "READY", {"token": job.token, "step": job.step})
     return recorded
-
-
-def _wait_ready(job: WriteJob) -> None:
-    def ready():
-        if (job.tmp / "ABORTED").is_file():
-            raise RuntimeError(f"rank 0 aborted the save of step {job.step}: "
-                               f"{files.read_json(job.tmp / 'ABORTED').get('reason')}")
-        try:
-            return files.read_json(job.tmp / "READY").get("token") == job.token
-        except (OSError, ValueError):
-            return False
-    files.poll(ready, job.timeout_s, f"rank 0 to create {job.tmp.name} (READY marker)")
 
 
 def _write_chunks(job: WriteJob) -> tuple[dict, int]:
