@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Every GPU-only check of megaloop in one run (meant for under 10 minutes on one GPU), printing its figures: the
+# trainer on CUDA in bf16 with a checkpoint written from GPU tensors through pinned host buffers and read back bit
+# for bit, the runtime's reductions on NCCL, and flash-attn against PyTorch's SDPA (when flash-attn is installed:
+# requirements-gpu.txt). Nothing is installed here: it uses .venv when present, else $PYTHON (default python3),
+# which must already have the packages of requirements.txt (with torch's CUDA build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] && PY=.venv/bin/python
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  echo "gpu_check: no nvidia-smi here; run this on a machine with a CUDA GPU" >&2
+  exit 2
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+"$PY" - <<'PYEOF'
+import importlib, torch
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, device {torch.cuda.get_device_name(0)}, "
+      f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
+for name in ("flash_attn", "flash_attn_interface", "transformer_engine", "deepspeed"):
+    try:
+        mod = importlib.import_module(name)
+        print(f"{name} {getattr(mod, '__version__', '?')}")
+    except Exception as err:  # report, do not fail: the tests skip what is missing
+        print(f"{name}: not available ({type(err).__name__})")
+PYEOF
+export PYTHONUNBUFFERED=1
+exec "$PY" -m pytest -q -s -rs -p no:cacheprovider -m gpu tests/gpu "$@"
