@@ -1,4 +1,4 @@
-"""megaloop command line: `python -m megaloop train|check|flops CONFIG [--set key=value ...]`."""
+"""megaloop command line: `python -m megaloop train|check|flops|launch CONFIG [--set key=value ...]`."""
 from __future__ import annotations
 
 import argparse
@@ -13,11 +13,20 @@ def _parser() -> argparse.ArgumentParser:
                             ("flops", "print the training FLOPs per token at mu_rec (paper Eq. 14 + attention, "
                                       "full convention) and the tokens per step, as one JSON line; the data "
                                       "directory need not exist (used by `python -m slurm sweep`)")):
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        p.add_argument("config", help="YAML config, e.g. configs/parcae-tiny.yaml")
-        p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override one config value, e.g. --set train.steps=100 (repeatable)")
+        _config_args(sub.add_parser(name, help=help_text, description=help_text))
+    launch = "check the config for N processes, then train on them with torchrun --standalone (one machine)"
+    p = _config_args(sub.add_parser("launch", help=launch, description=launch + ": a bad config is one line and exit "
+                                    "code 2 before any process starts, e.g. `python -m megaloop launch "
+                                    "--nproc-per-node 4 configs/parcae-tiny.yaml --set parallel.tp=2`"))
+    p.add_argument("--nproc-per-node", type=int, required=True, metavar="N", help="processes to start")
     return ap
+
+
+def _config_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("config", help="YAML config, e.g. configs/parcae-tiny.yaml")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one config value, e.g. --set train.steps=100 (repeatable)")
+    return p
 
 
 def _world_size(command: str) -> int | None:
@@ -44,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "flops":
             return _flops(load_config(args.config, args.overrides, validate=False))
+        if args.command == "launch":
+            return _launch(args)
         cfg = load_config(args.config, args.overrides, world_size=_world_size(args.command))
     except (ConfigError, FileNotFoundError) as err:
         print(f"megaloop: {err}", file=sys.stderr)
@@ -59,6 +70,24 @@ def main(argv: list[str] | None = None) -> int:
     from megaloop.train.cli import run_training
 
     return run_training(cfg)
+
+
+def _launch(args) -> int:
+    """Validate the config for the job's world size here (a bad one never reaches torchrun, whose own traceback
+    would follow the ranks' one-line errors), then replace this process by torchrun running `train`."""
+    import os
+
+    from megaloop.config import ConfigError, load_config
+
+    if args.nproc_per_node < 1:
+        raise ConfigError("--nproc-per-node", args.nproc_per_node, "must be >= 1")
+    load_config(args.config, args.overrides, world_size=args.nproc_per_node)
+    sets = [a for o in args.overrides for a in ("--set", o)]
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            str(args.nproc_per_node), "-m", "megaloop", "train", args.config, *sets]
+    sys.stdout.flush()
+    os.execv(sys.executable, argv)
+    return 0  # not reached
 
 
 def _flops(cfg) -> int:

@@ -5,7 +5,7 @@ README.md is parsed when the test runs, so a block added later is walked too. A 
 machine (a multi-node launch, say) is skipped only when the line above it is `<!-- readme-walk: skip (reason) -->`;
 the test prints what it skipped. What is changed to keep it small:
 - the placeholders TEXT_DIR, TOK_DIR and SHARD_DIR become a two-novel corpus and directories of the walk;
-- `megaloop train` commands train 1/50 of their train.steps (2 when none is given), validate on one batch and
+- `megaloop train` and `megaloop launch` commands train 1/50 of their train.steps (2 when none is given), validate on one batch and
   print no progress bar;
 - `bash scripts/quickstart.sh` runs on the same small corpus with those overrides, in OUT=runs/walk-quickstart;
   its `scripts/setup.sh` is replaced in the copy by a no-op (the copy uses this test run's environment, which
@@ -91,7 +91,7 @@ def rewrite(line: str, places: dict[str, str]) -> str:
     if re.search(r"\bbash scripts/quickstart\.sh\b", line):
         args = " ".join([f"train.steps={DEFAULT_STEPS}", *SMALL_TRAIN])
         return f"OUT=runs/walk-quickstart CORPUS={places['TEXT_DIR']} {_strip_comment(line)} {args}"
-    if re.search(r"-m megaloop train\b", line):
+    if re.search(r"-m megaloop (train|launch)\b", line):
         line = _strip_comment(line)
         line = re.sub(r"train\.steps=(\d+)", _scaled_steps, line)
         extra = [] if "train.steps=" in line else [f"train.steps={DEFAULT_STEPS}"]
@@ -173,6 +173,8 @@ def test_the_walk_rewrites_commands_as_documented():
     assert rewrite("torchrun -m megaloop train x.yaml   # note", places).endswith(
         "x.yaml --set train.steps=2 --set data.val_batches=1 --set train.progress=false")
     assert "CORPUS=/c bash scripts/quickstart.sh train.steps=2" in rewrite("bash scripts/quickstart.sh  # 1.", places)
+    assert rewrite("python -m megaloop launch --nproc-per-node 4 x.yaml --set train.steps=150", places).endswith(
+        "x.yaml --set train.steps=3 --set data.val_batches=1 --set train.progress=false")
     assert "grep -q 'bash scripts/test.sh' .ci/run" in rewrite("bash scripts/test.sh   # 2.", places)
     text = "x\n<!-- readme-walk: skip (needs 2 nodes) -->\n\n```bash\nsrun a \\\n  b\n```\n```bash\nls\n```\n"
     blocks = readme_blocks(text)

@@ -148,3 +148,19 @@ def test_a_broken_manifest_at_train_time(edit, expected, tiny_shards, tmp_path):
         sets = [s.replace("model.seq_len=32", "model.seq_len=64") for s in sets]
     _one_line_error(_megaloop("train", TINY, *sets), "config error: data.shards=", expected)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("nproc,sets,expected", [
+    (3, ["parallel.tp=2"], "the job's 3 processes are not a multiple of tp x pp = 2 x 1"),
+    (2, ["train.stesp=5"], "train.stesp=5: unknown key"),
+    (0, [], "--nproc-per-node=0: must be >= 1"),
+])
+def test_launch_checks_the_config_before_any_process_starts(nproc, sets, expected, tmp_path):
+    out = tmp_path / "out"
+    args = [a for o in sets + [f"train.out_dir={out}"] for a in ("--set", o)]
+    proc = subprocess.run([sys.executable, "-m", "megaloop", "launch", "--nproc-per-node", str(nproc),
+                           str(REPO / "configs" / "parcae-tiny.yaml"), *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert expected in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists()
