@@ -118,6 +118,16 @@ class ParallelRuntime:
     def mean_over_dp(self, value: float) -> float:
         return self.sum_over_dp(value) / self.layout.dp
 
+    tp_size = property(lambda self: self.layout.tp)
+
+    def sum_stats(self, values: torch.Tensor) -> torch.Tensor:
+        """A step's packed statistics (1-D float64) summed over every process of the job in ONE all-reduce; the
+        caller divides what tensor-parallel ranks hold identically by tp_size. The sum comes back on the CPU."""
+        t = values.detach().to(self._comm_device(), torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(t)
+        return t.cpu()
+
     def world_max(self, value: float) -> float:
         """The maximum of `value` over every rank of the job (the agreed stop, checkpoint verification)."""
         if not dist.is_initialized():

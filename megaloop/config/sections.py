@@ -19,6 +19,9 @@ class ParallelConfig:
     zero_offload: bool = False  # deepspeed engine: optimizer state and step on the CPU (ZeRO-Offload)
     backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | gloo | nccl
     timeout_s: float = 600.0  # a collective waiting longer fails the job (a lost rank must not hang the others)
+    grad_reduce_dtype: str = "fp32"  # fp32: gradients cross the wire in their own dtype | bf16: cast for the wire
+    dp_balance: str | None = None  # depth: deal sequences to dp ranks by loop work | rows: equal rows (None: depth,
+    #                                 rows under the DeepSpeed engine, whose accumulation count is fixed)
 
     def validate(self) -> None:
         for name in ("tp", "pp"):
@@ -28,6 +31,9 @@ class ParallelConfig:
             raise ConfigError("parallel.dp", self.dp, "must be >= 1 or null (derived from the world size)")
         check_choice("parallel.engine", self.engine, ("native", "deepspeed"))
         check_choice("parallel.backend", self.backend, ("auto", "gloo", "nccl"))
+        check_choice("parallel.grad_reduce_dtype", self.grad_reduce_dtype, ("fp32", "bf16"))
+        if self.dp_balance is not None:
+            check_choice("parallel.dp_balance", self.dp_balance, ("depth", "rows"))
         if not self.timeout_s > 0:
             raise ConfigError("parallel.timeout_s", self.timeout_s, "must be > 0 seconds")
         if self.zero_stage not in (0, 1, 2, 3):
@@ -76,12 +82,15 @@ class TrainConfig:
     stop_at_step: int | None = None  # end this job after this step (save, exit 75); the schedule spans train.steps
     time_limit_s: float | None = None  # this job's wall-clock budget: stop and save in time (also MEGALOOP_DEADLINE)
     max_consecutive_skips: int = 20  # stop when this many steps in a row had a non-finite gradient norm
+    activation_checkpointing: str = "none"  # none | block (recompute each block) | lap (recompute a whole kept lap)
+    compile: bool = False  # torch.compile each block once (the loop calls it T times; prefix sizes dynamic)
 
     def validate(self) -> None:
         if self.steps < 1:
             raise ConfigError("train.steps", self.steps, "must be >= 1")
         check_choice("train.precision", self.precision, ("bf16", "fp32", "fp64"))
         check_choice("train.device", self.device, ("auto", "cpu", "cuda"))
+        check_choice("train.activation_checkpointing", self.activation_checkpointing, ("none", "block", "lap"))
         for name in ("log_every", "val_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name}", getattr(self, name), "must be >= 1")

@@ -54,6 +54,9 @@ class Config:
                            "native engine for tensor parallelism)")
         if self.train.precision == "fp64":
             reasons.append("train.precision=fp64 (a verification precision of the native engine)")
+        if p.dp_balance == "depth":
+            reasons.append("parallel.dp_balance=depth (DeepSpeed runs a fixed number of micro-batches per rank; "
+                           "leave it unset or use rows)")
         if self.checkpoint.every or self.checkpoint.resume is not None:
             reasons.append("checkpoint.every/checkpoint.resume (DeepSpeed keeps its optimizer state in its own "
                            "partitioned flat buffers, which megaloop does not save as layout-free arrays: use the "
@@ -61,6 +64,13 @@ class Config:
                            "runs)")
         if reasons:
             raise ConfigError("parallel.engine", p.engine, "cannot run " + "; ".join(reasons))
+
+    @property
+    def dp_balance(self) -> str:
+        """parallel.dp_balance with its default resolved: depth for the native engine, rows under DeepSpeed."""
+        if self.parallel.dp_balance is not None:
+            return self.parallel.dp_balance
+        return "rows" if self.parallel.engine == "deepspeed" else "depth"
 
     def dp_size(self, world_size: int) -> int:
         if self.parallel.dp is not None:

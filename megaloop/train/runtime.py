@@ -47,6 +47,13 @@ class SingleProcessRuntime:
     def mean_over_dp(self, value: float) -> float:
         return value
 
+    tp_size = 1
+
+    def sum_stats(self, values: torch.Tensor) -> torch.Tensor:
+        """A step's packed statistics summed over every process of the job, in one collective (here: itself).
+        `values` is a 1-D float64 tensor on any device; the sum comes back on the CPU."""
+        return values.detach().to("cpu", torch.float64)
+
     def world_max(self, value: float) -> float:
         return value
 
