@@ -3,6 +3,10 @@
 diagonal (Parcae): u = A_bar * h + Delta * (B e), A_bar = exp(-Delta * A), A = exp(A_log), Delta = softplus(dt_bias):
   a zero-order-hold discretisation of a negative diagonal A, so every entry of A_bar is in (0, 1) and rho(A_bar) < 1.
 additive: u = h + e (A = I, marginally stable).  concat (RDM / Huginn): u = W [h; e], W = [W_1 | W_2].
+
+The loop splits u into a term of e, computed once per forward (input_term: Delta * (B e), W_2 e or e), and the
+per-lap step(h, term, coeffs) with coeffs = state_coeffs() also computed once per forward (A_bar for diagonal).
+rho_tensor() is the spectral radius as a detached 0-dim tensor, for telemetry without a host sync.
 """
 from __future__ import annotations
 
@@ -36,17 +40,42 @@ class DiagonalInjection(nn.Module):
         return a_bar + (capped - a_bar).detach(), delta
 
     def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-        a_bar, delta = self.discretised()
-        return h * a_bar.to(h.dtype) + delta.to(h.dtype) * (e @ self.B.t().to(e.dtype))
+        return self.step(h, self.input_term(e), self.state_coeffs())
+
+    def input_term(self, e: torch.Tensor) -> torch.Tensor:
+        """Delta * (B e), the part of u that does not depend on h."""
+        delta = self.discretised()[1]
+        return delta.to(e.dtype) * (e @ self.B.t().to(e.dtype))
+
+    def state_coeffs(self) -> torch.Tensor:
+        return self.discretised()[0]
+
+    def step(self, h: torch.Tensor, term: torch.Tensor, a_bar: torch.Tensor) -> torch.Tensor:
+        return h * a_bar.to(h.dtype) + term
 
     @torch.no_grad()
+    def rho_tensor(self) -> torch.Tensor:
+        return self.discretised()[0].max()
+
     def spectral_radius(self) -> float:
-        return float(self.discretised()[0].max())
+        return float(self.rho_tensor())
 
 
 class AdditiveInjection(nn.Module):
     def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         return h + e
+
+    def input_term(self, e: torch.Tensor) -> torch.Tensor:
+        return e
+
+    def state_coeffs(self) -> None:
+        return None
+
+    def step(self, h: torch.Tensor, term: torch.Tensor, _coeffs=None) -> torch.Tensor:
+        return h + term
+
+    def rho_tensor(self) -> torch.Tensor:
+        return torch.tensor(1.0)
 
     def spectral_radius(self) -> float:
         return 1.0
@@ -61,6 +90,20 @@ class ConcatInjection(nn.Module):
 
     def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         return self.W(torch.cat([h, e], dim=-1))
+
+    def input_term(self, e: torch.Tensor) -> torch.Tensor:
+        """W_2 e, the part of u that does not depend on h."""
+        return F.linear(e, self.W.weight[:, self.d:])
+
+    def state_coeffs(self) -> None:
+        return None
+
+    def step(self, h: torch.Tensor, term: torch.Tensor, _coeffs=None) -> torch.Tensor:
+        return F.linear(h, self.W.weight[:, : self.d]) + term
+
+    def rho_tensor(self) -> torch.Tensor:
+        """rho(W_1) as a 0-dim CPU tensor; computed at most once per weight version (once per optimizer step)."""
+        return torch.tensor(self.spectral_radius(), dtype=torch.float64)
 
     @torch.no_grad()
     def spectral_radius(self) -> float:

@@ -4,21 +4,27 @@ One class covers Parcae (diagonal injection), the additive and RDM (concat) vari
 (injection none: the core runs once on e). The model holds architecture only: no process groups, no devices, no
 precision recipes. Its three seams are public methods so that a pipeline can cut stages there:
   encode(ids, ctx) -> e;  loop_step(h, e, ctx) -> h';  decode(h, ctx) -> normalised hidden;  then logits()/loss.
+The forward runs the ragged loop (recurrence.py): the term of e in the injection is computed once per forward and
+each lap runs only the rows still looping. Activation checkpointing and compile are set by the trainer through
+set_activation_checkpointing / set_compile (execution.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megaloop.config.model import ModelConfig
 from megaloop.model.block import Block, has_value_embedding
+from megaloop.model.depth_plan import DepthPlan
+from megaloop.model.execution import check_checkpoint_mode, compile_blocks, maybe_checkpoint
 from megaloop.model.injection import build_injection
 from megaloop.model.init import init_looped_lm_
 from megaloop.model.layers import RMSNorm, rope_tables, upcast
-from megaloop.model.recurrence import DepthPlan, run_loop
+from megaloop.model.recurrence import loop_telemetry, run_loop, run_loop_masked
 
 
 @dataclass
@@ -36,8 +42,8 @@ class ModelOutput:
     loss: torch.Tensor | None
     logits: torch.Tensor
     telemetry: dict = field(default_factory=dict)
-    depth: torch.Tensor | None = None  # per-sequence T_i
-    grad_steps: torch.Tensor | None = None  # per-sequence k_i
+    depth: torch.Tensor | None = None  # per-sequence T_i (CPU int64)
+    grad_steps: torch.Tensor | None = None  # per-sequence k_i (CPU int64)
 
 
 class LoopedLM(nn.Module):
@@ -61,6 +67,18 @@ class LoopedLM(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, cfg.seq_len, cfg.rope_base)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.activation_checkpointing = "none"
+        self.ragged_loop = True  # False: the masked loop (every row runs max n + max k laps), for comparison
+
+    # ---- execution -----------------------------------------------------------------------------------------
+    def set_activation_checkpointing(self, mode: str) -> None:
+        """none | block (recompute each core block in backward) | lap (recompute each gradient lap)."""
+        self.activation_checkpointing = check_checkpoint_mode(mode)
+
+    def set_compile(self, enabled: bool) -> None:
+        """torch.compile every prelude, core and coda block once (in place; dynamic batch dimension)."""
+        if enabled:
+            compile_blocks([*self.prelude, *self.core, *self.coda])
 
     # ---- initialisation ------------------------------------------------------------------------------------
     def reset_parameters(self, seed: int = 0) -> None:
@@ -104,9 +122,28 @@ class LoopedLM(nn.Module):
     def loop_step(self, h: torch.Tensor, e: torch.Tensor, ctx: LoopContext) -> torch.Tensor:
         """One recurrence: u = inject(h, e); h' = Core(u). (GPT: Core(e).)"""
         x = self.injection(h, e) if self.injection is not None else e
-        for block, ve in zip(self.core, ctx.core_ve):
-            x = block(x, ctx.rope, ve)
+        return self.core_pass(x, ctx.rope, ctx.core_ve)
+
+    def core_pass(self, x: torch.Tensor, rope, core_ve) -> torch.Tensor:
+        """The core blocks on x (each recomputed in backward under activation checkpointing "block")."""
+        per_block = self.activation_checkpointing == "block"
+        for block, ve in zip(self.core, core_ve):
+            x = maybe_checkpoint(per_block, block, x, rope, ve)
         return x
+
+    def _lap_body(self, h, term, coeffs, cos, sin, *core_ve) -> torch.Tensor:
+        return self.core_pass(self.injection.step(h, term, coeffs), (cos, sin), core_ve)
+
+    def lap_function(self, ctx: LoopContext, coeffs):
+        """lap(h, term, *core_ve) -> h' on a block of rows: the injection's per-lap step with the precomputed term
+        of e, then the core (recomputed whole in backward under activation checkpointing "lap")."""
+        whole = self.activation_checkpointing == "lap"
+        cos, sin = ctx.rope
+
+        def lap(h, term, *core_ve):
+            return maybe_checkpoint(whole, self._lap_body, h, term, coeffs, cos, sin, *core_ve)
+
+        return lap
 
     def decode(self, h: torch.Tensor, ctx: LoopContext) -> torch.Tensor:
         """C projection, coda blocks and the final norm."""
@@ -122,34 +159,45 @@ class LoopedLM(nn.Module):
     # ---- forward -------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, depth=None,
                 backprop_depth=None, h0: torch.Tensor | None = None, noise_key=None) -> ModelOutput:
-        """depth: int (fixed T for every sequence) or LongTensor [B] of per-sequence depths (default mu_rec;
-        GPT: 1). backprop_depth: the number of final steps with gradient (None: all; int or LongTensor [B]).
-        h0: initial state [B, S, d]; when None it is drawn from noise_key = (seed, step, sample_index [B])
-        (default (0, 0, arange(B))), so a sequence's h_0 does not depend on its batch."""
+        """depth: host integers: an int (fixed T for every sequence) or per-sequence depths [B] as a list, numpy
+        array or CPU integer tensor (default mu_rec; GPT: 1). backprop_depth: the number of final steps with
+        gradient (None: all; int or per-sequence, host as depth). h0: initial state [B, S, d]; when None it is
+        drawn from noise_key = (seed, step, sample_index [B]) (default (0, 0, arange(B))), so a sequence's h_0
+        does not depend on its batch. Telemetry: see recurrence.loop_telemetry, plus rho_A (and rho_W1 for concat)
+        as detached 0-dim tensors."""
         ctx = self.context(input_ids)
         e = self.encode(input_ids, ctx)
-        plan = DepthPlan.make(self._default_depth(depth), backprop_depth, input_ids.shape[0], input_ids.device)
+        batch = input_ids.shape[0]
+        plan = DepthPlan.make(self._default_depth(depth), backprop_depth, batch)
         if self.injection is None:
-            h, telemetry = self.loop_step(None, e, ctx), {"executed_steps": 1, "useful_steps": input_ids.shape[0]}
+            h = maybe_checkpoint(self.activation_checkpointing == "lap", self.core_pass, e, ctx.rope, ctx.core_ve)
+            telemetry = {"executed_steps": 1, "useful_steps": batch, "core_rows": batch}
         else:
-            if h0 is None:
-                h0 = self.initial_state(e, noise_key)
-            h, telemetry = run_loop(self.loop_step, e, h0.to(e.dtype), plan, ctx)
-            rho = self.injection.spectral_radius()
-            telemetry["rho_A"] = rho
-            if self.cfg.injection == "concat":
-                telemetry["rho_W1"] = rho
+            h, telemetry = self._loop(e, ctx, plan, h0, noise_key)
         logits = self.logits(self.decode(h, ctx))
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
-        return ModelOutput(loss, logits, telemetry, plan.total, plan.grad)
+        return ModelOutput(loss, logits, telemetry, torch.from_numpy(plan.total), torch.from_numpy(plan.grad))
+
+    def _loop(self, e: torch.Tensor, ctx: LoopContext, plan: DepthPlan, h0, noise_key):
+        if h0 is None:
+            h0 = self.initial_state(e, noise_key)
+        lap = self.lap_function(ctx, self.injection.state_coeffs())
+        run = run_loop if self.ragged_loop else run_loop_masked
+        result = run(lap, h0.to(e.dtype), [self.injection.input_term(e), *ctx.core_ve], plan)
+        telemetry = loop_telemetry(result, plan)
+        telemetry["rho_A"] = self.injection.rho_tensor()
+        if self.cfg.injection == "concat":
+            telemetry["rho_W1"] = telemetry["rho_A"]
+        return result.h, telemetry
 
     def _default_depth(self, depth):
         if depth is None:
             return 1 if self.injection is None else self.cfg.mu_rec
-        if self.injection is None and not (isinstance(depth, int) and depth == 1):
-            if not (torch.is_tensor(depth) and bool((depth == 1).all())):
+        if self.injection is None:
+            values = depth.numpy() if torch.is_tensor(depth) and depth.device.type == "cpu" else depth
+            if not (np.asarray(values) == 1).all():
                 raise ValueError("the GPT baseline (injection none) runs its blocks once: depth must be 1")
         return depth
 

@@ -1,82 +1,104 @@
-"""The loop with per-sequence depths and truncated backprop, with the reference semantics.
+"""The loop with per-sequence depths and truncated backprop: the ragged loop (what the model runs) and the masked
+loop (the former reference, kept for comparison and for per-sequence k that is not end-aligned).
 
-Each sequence i has T_i = n_i + k_i steps: n_i without gradient, then k_i with. The batch runs a no-grad phase of
-max(n) steps (sequence i updated only while t < n_i, holding its state otherwise) and then a grad phase of max(k)
-steps (updated while t < k_i). Nothing is stored for the no-grad phase, so memory does not grow with n. Because the
-core mixes positions only within a sequence, each sequence gets exactly what it would get alone at its own depth.
+Both call lap(h, *rows) -> h', where `rows` are per-row tensors (dim 0 = batch, or None) sliced like h. The core
+mixes positions only within a sequence and has no lap index, so each sequence gets exactly what it would get alone
+at its own depth. Nothing is stored for laps without gradient, so memory does not grow with n.
+
+ragged: rows sorted by depth (descending) and aligned at their end (see depth_plan); lap t runs only its active
+  prefix, so the core passes executed (rows x laps) equal sum T_i.
+masked: every row runs max(n) no-grad laps then max(k) grad laps; torch.where holds the rows that are done.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
+
+from megaloop.model.depth_plan import DepthPlan, RaggedPlan
 
 
 @dataclass
-class DepthPlan:
-    total: torch.Tensor  # T_i, LongTensor [B]
-    grad: torch.Tensor  # k_i
-    nograd: torch.Tensor  # n_i = T_i - k_i
-
-    @staticmethod
-    def make(depth, backprop_depth, batch: int, device) -> "DepthPlan":
-        total = _per_sequence(depth, batch, "depth")
-        if bool((total < 1).any()):
-            raise ValueError(f"every loop depth must be >= 1, got {total.tolist()}")
-        if backprop_depth is None:
-            grad = total.clone()
-        else:
-            k = _per_sequence(backprop_depth, batch, "backprop_depth")
-            if bool((k < 0).any()):
-                raise ValueError(f"backprop_depth must be >= 0, got {k.tolist()}")
-            grad = torch.minimum(total, k)
-        return DepthPlan(total.to(device), grad.to(device), (total - grad).to(device))
-
-    @property
-    def nograd_steps(self) -> int:
-        return int(self.nograd.max())
-
-    @property
-    def grad_steps(self) -> int:
-        return int(self.grad.max())
+class LoopResult:
+    h: torch.Tensor  # h_T of every row (the caller's row order)
+    h_prev: torch.Tensor  # the state before each row's last lap, detached
+    laps: int  # laps run (executed steps)
+    core_rows: int  # rows x laps passed through the core
 
 
-def _per_sequence(value, batch: int, name: str) -> torch.Tensor:
-    if isinstance(value, int):
-        return torch.full((batch,), value, dtype=torch.long)
-    if torch.is_tensor(value) and value.dtype in (torch.int32, torch.int64) and value.numel() in (1, batch):
-        return value.detach().to("cpu", torch.long).reshape(-1).expand(batch).clone()
-    raise TypeError(f"{name} must be an int or an integer tensor of {batch} per-sequence values, got {value!r}")
+def _slice(rows, p: int):
+    return [None if r is None else r[:p] for r in rows]
 
 
-def _phase(step_fn, h, h_prev, e, ctx, steps: torch.Tensor, n_steps: int):
-    """Run n_steps loop steps; sequence i is updated while t < steps[i]. Returns (h, h_prev)."""
+def run_loop_ragged(lap: Callable, h0: torch.Tensor, rows: list, plan: RaggedPlan) -> LoopResult:
+    """h0 and rows in the caller's order; permuted by plan.order on the way in and back on the way out (the index
+    is built on the host and moved to the device once)."""
+    perm = inverse = None
+    if not plan.is_identity:
+        perm = torch.from_numpy(plan.order).to(h0.device)
+        inverse = torch.from_numpy(np.argsort(plan.order)).to(h0.device)
+        h0 = h0.index_select(0, perm)
+        rows = [None if r is None else r.index_select(0, perm) for r in rows]
+    outer_grad = torch.is_grad_enabled()
+    h, h_prev = h0, h0
+    for t, p in enumerate(plan.prefix):
+        h_prev = h
+        with torch.set_grad_enabled(outer_grad and t >= plan.boundary):
+            new = lap(h[:p], *_slice(rows, p))
+        # a new tensor, not an in-place write, so autograd keeps the rows that have not started (h_0)
+        h = new if p == h.shape[0] else torch.cat([new, h[p:]])
+    h_prev = h_prev.detach()
+    if inverse is not None:
+        h, h_prev = h.index_select(0, inverse), h_prev.index_select(0, inverse)
+    return LoopResult(h, h_prev, plan.laps, plan.core_rows)
+
+
+def _masked_phase(lap, h, h_prev, rows, steps: np.ndarray, n_steps: int):
+    """n_steps laps over every row; row i is updated while t < steps[i] (masks built on the host, moved once)."""
+    if n_steps == 0:
+        return h, h_prev
     everyone = bool((steps == n_steps).all())
+    active = torch.from_numpy(np.arange(n_steps)[:, None] < steps[None, :]).to(h.device).view(n_steps, -1, 1, 1)
     for t in range(n_steps):
-        new = step_fn(h, e, ctx)
+        new = lap(h, *rows)
         if everyone:
             h_prev, h = h.detach(), new
             continue
-        active = (t < steps).view(-1, 1, 1)
-        h_prev = torch.where(active, h.detach(), h_prev)
-        h = torch.where(active, new, h)
+        h_prev = torch.where(active[t], h.detach(), h_prev)
+        h = torch.where(active[t], new, h)
     return h, h_prev
 
 
-def run_loop(step_fn: Callable, e: torch.Tensor, h0: torch.Tensor, plan: DepthPlan, ctx) -> tuple[torch.Tensor, dict]:
-    """h_T for every sequence, plus telemetry: ||h_T||, ||h_T - h_{T-1}|| (means over positions of the L2 norm
-    over channels), executed steps (max n + max k) and useful steps (sum of T_i)."""
+def run_loop_masked(lap: Callable, h0: torch.Tensor, rows: list, plan: DepthPlan) -> LoopResult:
     h, h_prev = h0, h0.detach()
     with torch.no_grad():
-        h, h_prev = _phase(step_fn, h, h_prev, e, ctx, plan.nograd, plan.nograd_steps)
-    h, h_prev = _phase(step_fn, h, h_prev, e, ctx, plan.grad, plan.grad_steps)
+        h, h_prev = _masked_phase(lap, h, h_prev, rows, plan.nograd, plan.nograd_steps)
+    h, h_prev = _masked_phase(lap, h, h_prev, rows, plan.grad, plan.grad_steps)
+    laps = plan.nograd_steps + plan.grad_steps
+    return LoopResult(h, h_prev.detach(), laps, laps * h0.shape[0])
+
+
+def run_loop(lap: Callable, h0: torch.Tensor, rows: list, plan: DepthPlan) -> LoopResult:
+    """The ragged loop when the gradient laps are end-aligned (always for an int or None backprop_depth and for
+    the trainer's k_i = min(T_i, mu_bwd)); the masked loop for any other per-sequence k."""
+    if plan.end_aligned:
+        return run_loop_ragged(lap, h0, rows, RaggedPlan.make(plan))
+    return run_loop_masked(lap, h0, rows, plan)
+
+
+def loop_telemetry(result: LoopResult, plan: DepthPlan) -> dict:
+    """state_norm and recurrent_residual: means over rows and positions of ||h_T|| and ||h_T - h_{T-1}|| (L2 over
+    channels), 0-dim detached tensors on h's device (no host sync); executed_steps (laps run), useful_steps (sum T)
+    and core_rows (rows x laps through the core) as python ints."""
     with torch.no_grad():
-        hd = h.detach().float()
-        telemetry = {
-            "state_norm": float(hd.norm(dim=-1).mean()),
-            "recurrent_residual": float((hd - h_prev.float()).norm(dim=-1).mean()),
-            "executed_steps": plan.nograd_steps + plan.grad_steps,
+        hd = result.h.detach()
+        hd = hd if hd.dtype in (torch.float32, torch.float64) else hd.float()
+        return {
+            "state_norm": hd.norm(dim=-1).mean(),
+            "recurrent_residual": (hd - result.h_prev.to(hd.dtype)).norm(dim=-1).mean(),
+            "executed_steps": result.laps,
             "useful_steps": int(plan.total.sum()),
+            "core_rows": result.core_rows,
         }
-    return h, telemetry
