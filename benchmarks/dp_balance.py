@@ -1,0 +1,122 @@
+"""idle_fraction of data parallelism, simulated from the sampler's depths: equal rows per rank vs depth-balanced.
+
+idle_fraction = 1 - sum of depths / (dp x the busiest rank's executed core passes), averaged over steps.
+  contiguous   rank r reads the r-th contiguous share of the global batch and buckets it by depth, each micro-batch
+             running its deepest depth for every row (the padded loop): the trainer before depth balancing
+  rows       equal rows and micro-batch counts per rank (depth buckets dealt by assign_buckets_to_ranks), each
+             micro-batch running its deepest depth for every row (the padded loop): the previous trainer
+  rows+ragged  the same dealing under the ragged loop (a micro-batch runs the sum of its depths)
+  depth      sequences dealt by loop work (megaloop.depth.balance.deal_by_depth) under the ragged loop
+  optimum    (global batches of at most 24 rows) the least busiest-rank work of any dealing, by exhaustive search:
+             what no dealing can beat
+Usage (from the repository root):
+
+    python benchmarks/dp_balance.py                 # the three standard cases, 200 steps each
+    python benchmarks/dp_balance.py --dp 8 --global-batch 64 --micro-batch 4 --steps 1000
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megaloop.depth import SAMPLERS, executed_core_passes, make_sampler  # noqa: E402  (after the path set-up)
+from megaloop.depth.balance import (  # noqa: E402
+    deal_by_depth,
+    deal_by_rows,
+    idle_fraction,
+    split_rank_rows,
+)
+
+CASES = ((8, 64, 4), (8, 32, 4), (8, 16, 2), (64, 512, 4))  # (dp, global batch, micro-batch)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sampler", default="poisson-truncated-full", choices=sorted(SAMPLERS))
+    parser.add_argument("--mu-rec", type=int, default=8)
+    parser.add_argument("--dp", type=int, default=None, help="one case (with --global-batch, --micro-batch)")
+    parser.add_argument("--global-batch", type=int, default=64)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def rank_work(depths: np.ndarray, rank_positions, micro_batch: int, padded: bool) -> list[int]:
+    """Executed core passes of each rank: its rows cut into depth-sorted micro-batches, each running the sum of
+    its depths (ragged) or its deepest depth for every row (padded)."""
+    work = []
+    for positions in rank_positions:
+        mine = depths[positions]
+        mbs = split_rank_rows(mine, micro_batch)
+        work.append(executed_core_passes(mine, mbs) if padded else int(mine.sum()))
+    return work
+
+
+def _fits(depths: list[int], loads: list[int], cap: int) -> bool:
+    """Can depths[0:] (decreasing) be added to `loads` with no load above cap? (depth-first, equal loads once)"""
+    if not depths:
+        return True
+    tried = set()
+    for r, load in enumerate(loads):
+        if load in tried or load + depths[0] > cap:
+            continue
+        tried.add(load)
+        loads[r] += depths[0]
+        if _fits(depths[1:], loads, cap):
+            return True
+        loads[r] -= depths[0]
+    return False
+
+
+def optimal_busiest(depths: np.ndarray, dp: int) -> int:
+    """The least possible busiest-rank work over all dealings of these depths to dp ranks."""
+    ordered = sorted(depths.tolist(), reverse=True)
+    cap = max(ordered[0], -(-sum(ordered) // dp))
+    while not _fits(ordered, [0] * dp, cap):
+        cap += 1
+    return cap
+
+
+def simulate(sampler, dp: int, batch: int, micro_batch: int, steps: int) -> dict[str, float]:
+    """Mean idle_fraction over `steps` global batches for each dealing."""
+    figures = {"contiguous": [], "rows": [], "rows+ragged": [], "depth": []}
+    if batch <= 24:
+        figures["optimum"] = []
+    for step in range(steps):
+        depths = sampler.sample(step, np.arange(step * batch, (step + 1) * batch)).T.numpy()
+        total = int(depths.sum())
+        share = batch // dp
+        contiguous = [np.arange(r * share, (r + 1) * share) for r in range(dp)]
+        figures["contiguous"].append(idle_fraction(total, rank_work(depths, contiguous, micro_batch, padded=True)))
+        if "optimum" in figures:
+            figures["optimum"].append(idle_fraction(total, [optimal_busiest(depths, dp)] * dp))
+        rows = deal_by_rows(depths, dp, micro_batch)
+        figures["rows"].append(idle_fraction(total, rank_work(depths, rows, micro_batch, padded=True)))
+        figures["rows+ragged"].append(idle_fraction(total, rank_work(depths, rows, micro_batch, padded=False)))
+        balanced = deal_by_depth(depths, dp)
+        figures["depth"].append(idle_fraction(total, rank_work(depths, balanced, micro_batch, padded=False)))
+    return {name: float(np.mean(values)) for name, values in figures.items()}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    sampler = make_sampler(args.sampler, args.mu_rec, seed=args.seed)
+    cases = [(args.dp, args.global_batch, args.micro_batch)] if args.dp else CASES
+    results = {}
+    print(f"sampler {args.sampler}, mu_rec {args.mu_rec}, {args.steps} steps; mean idle_fraction per step")
+    for dp, batch, micro_batch in cases:
+        res = simulate(sampler, dp, batch, micro_batch, args.steps)
+        results[dp, batch, micro_batch] = res
+        print(f"dp {dp:3d}, {batch:4d} rows, micro-batch {micro_batch}: " + "  ".join(
+            f"{name} {value:.3f}" for name, value in res.items()), flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()
