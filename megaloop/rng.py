@@ -4,8 +4,11 @@ Every random quantity of a training step that belongs to one sequence (its loop 
 a pure function of this key, so it is the same whatever the rank, the micro-batch or the parallel layout that
 happens to process the sequence. The mixing is SplitMix64, vectorised over sample indices with numpy uint64
 arithmetic (wrap-around is the intended modular arithmetic), the same finaliser that keys the data order.
+`name_seed` keys a stream by a name instead (a parameter's initialisation).
 """
 from __future__ import annotations
+
+import hashlib
 
 import numpy as np
 
@@ -41,3 +44,14 @@ def key_uniform(seed: int, step: int, index, stream: int) -> np.ndarray:
 def key_seeds(seed: int, step: int, index, stream: int) -> np.ndarray:
     """Non-negative 63-bit integer seeds (for torch.Generator.manual_seed), one per index."""
     return (key_hash(seed, step, index, stream) & _MASK63).astype(np.int64)
+
+
+def name_seed(seed: int, name: str) -> int:
+    """A non-negative 63-bit seed keyed by (seed, name), e.g. a parameter's qualified name: BLAKE2b of the UTF-8
+    name mixed with the seed through SplitMix64, so it is stable across processes and Python versions (unlike
+    hash(), which is salted per process)."""
+    digest = int.from_bytes(hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest(), "little")
+    with np.errstate(over="ignore"):
+        h = _splitmix64(np.array([int(seed) & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))
+        h = _splitmix64(h ^ np.uint64(digest))
+    return int(h[0] & _MASK63)

@@ -4,21 +4,21 @@ from __future__ import annotations
 import torch
 
 from megaloop.config.model import ModelConfig
+from megaloop.model.init import init_parameter, materialize
 from megaloop.model.looped import LoopContext, LoopedLM, ModelOutput
 
 
 def build_model(model_config: ModelConfig, device: str | torch.device | None = None, seed: int = 0) -> LoopedLM:
-    """Validate the config and build the model. device "meta" allocates nothing (for counting); otherwise the
-    parameters get the reference initialisation from `seed`."""
+    """Validate the config and build the model. device "meta" allocates nothing (for counting, or for a caller that
+    materialises only the parameters it holds: megaloop.model.init.materialize); otherwise the parameters get the
+    reference initialisation from `seed` (fp32, on `device` or the CPU): the same bits as materialize on a meta
+    build."""
     model_config.validate()
+    with torch.device("meta"):
+        model = LoopedLM(model_config)
     if device is not None and torch.device(device).type == "meta":
-        with torch.device("meta"):
-            return LoopedLM(model_config)
-    model = LoopedLM(model_config)
-    if device is not None:
-        model = model.to(device)
-    model.reset_parameters(seed)
-    return model
+        return model
+    return materialize(model, seed=seed, device=device)
 
 
 def count_parameters(model: torch.nn.Module) -> int:
@@ -26,4 +26,5 @@ def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["build_model", "count_parameters", "LoopedLM", "LoopContext", "ModelOutput"]
+__all__ = ["build_model", "count_parameters", "init_parameter", "materialize", "LoopedLM", "LoopContext",
+           "ModelOutput"]
