@@ -6,12 +6,17 @@ s*G + [r*G/dp, (r+1)*G/dp). So the set and order of rows in a global batch depen
 and every row is used exactly once per N positions (an epoch may end inside a batch; the batch simply continues
 with the next epoch's order).
 
-Each batch is a dict:
-    tokens        LongTensor [G/dp, seq_len + 1]   input_ids = tokens[:, :-1], labels = tokens[:, 1:]
-    sample_index  LongTensor [G/dp]                run-wide global sample index s*G + j (j in 0..G-1)
-    row_id        LongTensor [G/dp]                the row's id in the manifest (shard first_row + member)
-    epoch         LongTensor [G/dp]                the epoch each sample belongs to
-    step          LongTensor []                    s
+A loader may instead be given `select(step, sample_indices) -> positions`: which positions (indices 0..G-1 into
+the global batch's run-wide sample indices s*G + [0, G)) this rank reads, e.g. rows dealt to ranks by a function of
+the sample indices. It must be a pure function (the prefetch thread calls it); only the selected rows are read, and
+the order and resume state above do not change.
+
+Each batch is a dict (R = G/dp rows, or as many as `select` chose, in its order):
+    tokens        LongTensor [R, seq_len + 1]   input_ids = tokens[:, :-1], labels = tokens[:, 1:]
+    sample_index  LongTensor [R]                run-wide global sample index s*G + j (j in 0..G-1)
+    row_id        LongTensor [R]                the row's id in the manifest (shard first_row + member)
+    epoch         LongTensor [R]                the epoch each sample belongs to
+    step          LongTensor []                 s
 
 State: {"version", "step", "epoch", "position", "seed", "global_batch_size", "num_rows", "dataset"} where step is
 the next global batch to yield. Restoring it, under any dp that divides G, continues the identical stream.
@@ -54,11 +59,13 @@ class ShardLoader:
         on_corrupt: "error" (raise, naming shard and member) or "skip" (leave bad shards out; see `skipped`).
         prefetch: batches prepared ahead by a background thread (0: none).
         tokenizer_hash: when given, must equal the manifest's tokenizer hash.
+        select: select(step, sample_indices) -> positions of the global batch this rank reads (see the module
+            docstring); None: the contiguous share of rank dp_rank.
     """
 
     def __init__(self, shard_dir, global_batch_size: int, dp_rank: int = 0, dp_size: int = 1, seed: int = 0,
                  split: str = "train", verify: str = "fast", on_corrupt: str = "error", prefetch: int = 2,
-                 tokenizer_hash: str | None = None):
+                 tokenizer_hash: str | None = None, select=None):
         _check_layout(global_batch_size, dp_rank, dp_size)
         self.dataset = ShardDataset(shard_dir, split, verify, on_corrupt, tokenizer_hash)
         if len(self.dataset) == 0:
@@ -66,7 +73,7 @@ class ShardLoader:
                                 f"(skipped: {self.dataset.skipped})", "re-create the shards")
         self.global_batch_size, self.dp_rank, self.dp_size = global_batch_size, dp_rank, dp_size
         self.local_batch_size = global_batch_size // dp_size
-        self.seed, self.prefetch = seed, prefetch
+        self.seed, self.prefetch, self.select = seed, prefetch, select
         self.dataset_id = manifest_fingerprint(self.dataset.manifest) + f"/{split}/{len(self.dataset)}"
         self._step = 0
         self._active = None
@@ -92,15 +99,28 @@ class ShardLoader:
         return self._step
 
     def batch(self, step: int) -> dict:
-        """This rank's share of global batch `step` (a pure function of seed, step and the layout)."""
-        start, end = rank_slice(self.global_batch_size, self.dp_rank, self.dp_size)
-        positions = step * self.global_batch_size + np.arange(start, end, dtype=np.int64)
+        """This rank's share of global batch `step` (a pure function of seed, step, the layout and `select`)."""
+        positions = self._positions(step)
         rows, epochs = rows_at(positions, self.num_rows, self.seed)
         tokens = self.dataset.read_rows(rows)
         return {"tokens": torch.from_numpy(tokens.astype(np.int64)),
                 "sample_index": torch.from_numpy(positions),
                 "row_id": torch.from_numpy(self.dataset.row_ids(rows)),
                 "epoch": torch.from_numpy(epochs), "step": torch.tensor(step)}
+
+    def _positions(self, step: int) -> np.ndarray:
+        """Run-wide sample indices of this rank's rows of global batch `step`."""
+        if self.select is None:
+            start, end = rank_slice(self.global_batch_size, self.dp_rank, self.dp_size)
+            return step * self.global_batch_size + np.arange(start, end, dtype=np.int64)
+        batch = step * self.global_batch_size + np.arange(self.global_batch_size, dtype=np.int64)
+        chosen = np.asarray(self.select(step, batch))
+        if (chosen.ndim != 1 or (chosen.size and not np.issubdtype(chosen.dtype, np.integer))
+                or (chosen.size and (chosen.min() < 0 or chosen.max() >= self.global_batch_size))
+                or np.unique(chosen).size != chosen.size):
+            raise DataPrepError(f"select({step}, ...) returned {chosen!r}, not distinct positions in "
+                                f"[0, {self.global_batch_size})", "return integer indices into the global batch")
+        return batch[chosen.astype(np.int64)]
 
     def state_dict(self) -> dict:
         """Where the stream stands: restoring it continues with global batch `step`."""

@@ -148,3 +148,42 @@ def test_validation_batches_cover_the_split_in_fixed_order(small_shards, dp):
 def test_row_permutation_is_a_bijection(n, seed, epoch):
     image = RowPermutation(n, seed, epoch)(np.arange(n))
     assert np.array_equal(np.sort(image), np.arange(n))
+
+
+def _odd_even(rank):
+    """A pure selection: rank 0 reads the global batch's even positions in reverse, rank 1 the odd ones."""
+    def select(step, sample_indices):
+        mine = np.flatnonzero(sample_indices % 2 == rank)
+        return mine[::-1] if rank == 0 else mine
+    return select
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_select_reads_the_chosen_positions_and_resumes(small_shards, prefetch):
+    full = [_global_batch(small_shards, step, 1, seed=6) for step in range(6)]
+    loaders = [ShardLoader(small_shards, GLOBAL_BATCH, r, 2, seed=6, prefetch=prefetch, select=_odd_even(r))
+               for r in range(2)]
+    first = [_stream(loader, 3) for loader in loaders]
+    states = [loader.state_dict() for loader in loaders]
+    for loader in loaders:
+        loader.close()
+    resumed = []
+    for r in range(2):
+        loader = ShardLoader(small_shards, GLOBAL_BATCH, r, 2, seed=6, prefetch=prefetch, select=_odd_even(r))
+        loader.load_state_dict(states[r])
+        resumed.append(_stream(loader, 3))
+        loader.close()
+    for step in range(6):
+        parts = [(first[r] + resumed[r])[step] for r in range(2)]
+        expected = full[step]
+        for r, part in enumerate(parts):
+            want = np.flatnonzero(expected["sample_index"].numpy() % 2 == r)
+            want = want[::-1].copy() if r == 0 else want
+            for key in ("tokens", "sample_index", "row_id"):
+                assert torch.equal(part[key], expected[key][torch.from_numpy(want)])
+
+
+def test_bad_selection_is_refused(small_shards):
+    loader = ShardLoader(small_shards, GLOBAL_BATCH, seed=1, prefetch=0, select=lambda step, idx: [0, 0])
+    with pytest.raises(DataPrepError, match="distinct positions"):
+        loader.batch(0)
