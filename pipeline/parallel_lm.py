@@ -12,7 +12,8 @@ After :func:`pipeline.tensor_parallel.apply_tensor_parallel` the model's own for
 drawn for the whole sequence and cut to this rank's positions under sequence parallelism (the model's
 initial_state is wrapped on the instance to do so, and a given h0 is cut the same way), and (2) the loss: the
 logits are split along the vocabulary, so the model is called without labels and the loss is the
-vocabulary-parallel cross-entropy.
+vocabulary-parallel cross-entropy. Telemetry is returned as the model computed it: under sequence parallelism the
+state norms are means over this rank's positions (the trainer averages them over tp in its step's one reduction).
 """
 from __future__ import annotations
 
@@ -24,9 +25,6 @@ from torch import nn
 from pipeline.collectives import SEQ_DIM, chunk_along
 from pipeline.tensor_parallel import TensorParallelInfo, apply_tensor_parallel
 from pipeline.vocab_parallel import vocab_parallel_cross_entropy
-
-# telemetry entries that are means over positions (see megaloop's run_loop)
-POSITION_MEAN_TELEMETRY = ("state_norm", "recurrent_residual")
 
 
 class ParallelLM:
@@ -64,21 +62,7 @@ class ParallelLM:
         if labels is not None:
             out.loss = vocab_parallel_cross_entropy(out.logits, labels, self.layout,
                                                     vocab_start=self.tp_info.vocab_range[0])
-        if self.tp_info.sequence_parallel:
-            self._average_position_telemetry(out.telemetry)
         return out
-
-    def _average_position_telemetry(self, telemetry: dict) -> None:
-        """Under sequence parallelism the state norms are means over this rank's positions: average them over the
-        group (equal shares), so every rank logs the single-process value."""
-        keys = [k for k in POSITION_MEAN_TELEMETRY if k in telemetry]
-        if not keys:
-            return
-        device = self.layout.device if self.layout.backend == "nccl" else "cpu"
-        values = torch.tensor([float(telemetry[k]) for k in keys], dtype=torch.float64, device=device)
-        torch.distributed.all_reduce(values, group=self._group)
-        for key, value in zip(keys, (values / self.layout.tp).cpu().tolist()):
-            telemetry[key] = value
 
     def loss_per_token(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per-token cross-entropy from (vocabulary-split) logits, 0 at ignored labels."""

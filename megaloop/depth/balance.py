@@ -9,8 +9,8 @@ then reads only its rows.
 the rank with the least work so far (ties: fewer rows, then the lower rank), so ranks may hold different numbers of
 rows; then, while a move of one row from the busiest rank to another, or a swap of one row each, lowers the busiest
 rank's work without making the other rank as busy, the best such exchange is made (each one strictly lowers the sum
-of squared loads, so this ends). Its figure of merit is idle_fraction = 1 - sum(depths) / (dp * the busiest rank's work): the share of the job's
-core-pass slots that ranks spend waiting for the busiest one (0 = perfectly balanced).
+of squared loads, so this ends). Its figure of merit is idle_fraction = 1 - sum(depths) / (dp * the busiest rank's
+work): the share of the job's core-pass slots that ranks spend waiting for the busiest one (0 = perfectly balanced).
 """
 from __future__ import annotations
 

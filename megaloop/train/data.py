@@ -1,5 +1,11 @@
 """The trainer's view of the data: this rank's share of each global batch and the validation batches, from a
-shard directory written by `python -m data_prep shards` (data_prep.loader does the work)."""
+shard directory written by `python -m data_prep shards` (data_prep.loader does the work).
+
+Which rows of a global batch a data-parallel rank reads (cfg.dp_balance): "depth" deals the sequences by loop work
+(megaloop.depth.balance.deal_by_depth, ranks may hold different numbers of rows), "rows" gives every rank the same
+rows and micro-batch count (depth buckets dealt by assign_buckets_to_ranks; the contiguous share when
+train.bucket_depths is off). Both are pure functions of the sampled depths, i.e. of (seed, step, sample index), so
+every rank computes the same dealing and reads only its own rows; the order and the resume state do not change."""
 from __future__ import annotations
 
 import itertools
@@ -18,7 +24,8 @@ class ShardData:
         self.cfg, self.dp_rank, self.dp_size = cfg, dp_rank, dp_size
         self.manifest = read_manifest(d.shards)
         self.loader = ShardLoader(d.shards, d.global_batch_size, dp_rank, dp_size, seed=cfg.train.seed,
-                                  verify=d.verify, on_corrupt=d.on_corrupt, prefetch=d.prefetch)
+                                  verify=d.verify, on_corrupt=d.on_corrupt, prefetch=d.prefetch,
+                                  select=rank_selection(cfg, dp_rank, dp_size))
         self.bytes_per_token = _bytes_per_token(self.manifest, "val")
         self._val = None
         self.val_rows = self.manifest["splits"].get("val", {}).get("rows", 0) if d.val_batches else 0
@@ -48,6 +55,26 @@ class ShardData:
         close = getattr(self.loader, "close", None)
         if close is not None:
             close()
+
+
+def rank_selection(cfg: Config, dp_rank: int, dp_size: int):
+    """select(step, sample_indices) -> this rank's positions of the global batch, or None for the contiguous share
+    (one rank, or equal rows without depth buckets)."""
+    if dp_size == 1 or (cfg.dp_balance == "rows" and not cfg.train.bucket_depths):
+        return None
+    from megaloop.depth import make_sampler
+    from megaloop.depth.balance import deal_by_depth, deal_by_rows
+
+    m = cfg.model
+    sampler = make_sampler(m.depth_sampler, m.mu_rec, m.backprop_depth, seed=cfg.train.seed)
+    by_depth, micro = cfg.dp_balance == "depth", cfg.data.micro_batch_size
+
+    def select(step: int, sample_indices):
+        depths = sampler.sample(step, sample_indices).T.numpy()
+        ranks = deal_by_depth(depths, dp_size) if by_depth else deal_by_rows(depths, dp_size, micro)
+        return ranks[dp_rank]
+
+    return select
 
 
 def _bytes_per_token(manifest: dict, split: str) -> float | None:

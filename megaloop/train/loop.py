@@ -20,7 +20,7 @@ from megaloop.train.flops import FlopModel, device_peak_tflops
 from megaloop.train.precision import apply_optimizer_precision, param_dtype
 from megaloop.train.metrics import MetricsWriter
 from megaloop.train.progress import Progress
-from megaloop.train.step import train_step
+from megaloop.train.step import reduce_step, train_step
 from megaloop.train.stopping import StopRequests, deadline_from
 
 
@@ -95,6 +95,7 @@ def build_model_and_optimizer(cfg: Config, runtime, device: torch.device):
     """The model as the runtime runs it (split, wrapped) and its optimizer, distributed as the layout needs."""
     precision = cfg.train.precision
     model = build_model(cfg.model, device=device, seed=cfg.train.seed).to(param_dtype(precision))
+    model.set_execution(cfg.train.activation_checkpointing, cfg.train.compile)
     model = runtime.prepare_model(model)
     optimizer = build_optimizer(model.named_parameters(), cfg.optim, cfg.train.steps,
                                 norm_sq_reduce=runtime.norm_sq_reduce())
@@ -152,18 +153,17 @@ def _run_steps(cfg, model, optimizer, sampler, flop_model, data, runtime, writer
     batches = data.train_batches()
     consecutive_skips = 0
     for step in range(summary.start_step, cfg.train.steps):
-        if flag.agreed(runtime):
-            summary.interrupted, summary.stop_reason = True, flag.reason
-            break
         t0 = time.perf_counter()
         batch = next(batches)
         t_data = time.perf_counter() - t0
         depth_sample = sampler.sample(step, batch["sample_index"])
         stats = train_step(model, optimizer, batch, depth_sample, step, cfg.train.seed, cfg, runtime, flop_model)
-        dt = time.perf_counter() - t0
-        flag.note_step(dt)
+        flag.note_step(time.perf_counter() - t0)
         flag.note_save(ckpt.slowest_save_s)
-        record = _train_record(step, stats, t_data, dt, runtime, summary, optimizer)
+        seq = batch["tokens"].shape[1] - 1
+        figures = reduce_step(stats, runtime, flop_model, seq, flag.local_code())  # the step's one reduction
+        dt = time.perf_counter() - t0
+        record = _train_record(step, stats, figures, t_data, dt, summary, optimizer)
         summary.steps_done = step + 1
         summary.losses.append(record["loss"])
         if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1:
@@ -179,6 +179,9 @@ def _run_steps(cfg, model, optimizer, sampler, flop_model, data, runtime, writer
                 "precision, or corrupt data); lower optim.matrix_lr / optim.adam_lr, try train.precision=fp32, or "
                 "raise train.max_consecutive_skips")
         done = step + 1
+        if flag.decide(figures.stop_code):  # every rank saw the same code: all stop after this step
+            summary.interrupted, summary.stop_reason = True, flag.reason
+            break
         if cfg.train.stop_at_step is not None and done >= cfg.train.stop_at_step and done < cfg.train.steps:
             summary.interrupted, summary.stop_reason = True, f"train.stop_at_step={cfg.train.stop_at_step}"
             break
@@ -192,32 +195,26 @@ def _run_steps(cfg, model, optimizer, sampler, flop_model, data, runtime, writer
             progress.note(" ".join(f"T{t}:{v['val_loss']:.3f}" for t, v in val.items()))
 
 
-def _train_record(step, stats, t_data, dt, runtime, summary, optimizer) -> dict:
-    tokens = int(runtime.sum_over_dp(float(stats.tokens)))
-    loss = runtime.sum_over_dp(stats.loss_sum) / max(tokens, 1)
-    useful = runtime.sum_over_dp(stats.useful_flops)
-    executed = runtime.sum_over_dp(stats.executed_flops)
-    rec = stats.record
+def _train_record(step, stats, figures, t_data, dt, summary, optimizer) -> dict:
+    """The step's metrics record from its job-wide figures (no further communication)."""
+    rec, tokens = stats.record, figures.tokens
+    useful, executed = figures.useful_flops, figures.executed_flops
     summary.tokens += tokens
     summary.train_time_s += dt
     summary.useful_flops += useful
     summary.executed_flops += executed
     summary.skipped = optimizer.num_skipped
     peak = summary.peak_tflops * 1e12
-    tel = stats.telemetry
-    sequences = max(runtime.sum_over_dp(float(stats.sequences)), 1.0)
+    tel = figures.telemetry
     return {
-        "kind": "train", "step": step, "loss": loss, "lr": rec.matrix_lr, "grad_norm": float(rec.grad_norm),
+        "kind": "train", "step": step, "loss": figures.loss, "lr": rec.matrix_lr, "grad_norm": float(rec.grad_norm),
         "skipped": bool(rec.skipped), "skipped_total": optimizer.num_skipped, "tokens": tokens,
-        "tokens_per_s": tokens / dt, "rho_A": float(tel.get("rho_A", float("nan"))),
-        "state_norm": float(tel.get("state_norm", float("nan"))),
-        "recurrent_residual": float(tel.get("recurrent_residual", float("nan"))),
-        "mean_depth": runtime.sum_over_dp(stats.depth_sum) / sequences,
-        "executed_depth": runtime.sum_over_dp(stats.executed_depth_sum) / sequences,
+        "tokens_per_s": tokens / dt, "rho_A": tel["rho_A"], "state_norm": tel["state_norm"],
+        "recurrent_residual": tel["recurrent_residual"], "mean_depth": figures.mean_depth,
+        "executed_depth": figures.executed_depth, "idle_fraction": figures.idle_fraction,
         "useful_flops": useful, "executed_flops": executed,
         "mfu": useful / dt / peak if math.isfinite(peak) else float("nan"),
         "hfu": executed / dt / peak if math.isfinite(peak) else float("nan"),
         "time_data": t_data, "time_forward": stats.times["forward"], "time_backward": stats.times["backward"],
         "time_optimizer": stats.times["optimizer"], "time_step": dt,
     }
-

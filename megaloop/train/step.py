@@ -1,74 +1,201 @@
-"""One optimizer step: sample depths for the batch, bucket micro-batches, forward/backward each with the loss
-weighted by its true share of tokens, reduce gradients, clip and step. Returns what happened, with timings."""
+"""One optimizer step: cut this rank's rows into micro-batches, forward/backward each with the loss weighted by its
+true share of the global batch's tokens, reduce gradients, clip and step; then ONE packed reduction of the step's
+statistics over the whole job (which also carries the stop flag).
+
+The micro-batch loop never waits for the device: depths and micro-batch sizes are host integers planned before it
+(`plan_step`), the global token count is the host integer global_batch x seq (no collective), and the loss and
+telemetry stay device tensors, accumulated over every micro-batch (loss x tokens, telemetry x rows) and read once,
+after the packed reduction (`reduce_step`).
+"""
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from megaloop.depth import bucket_microbatches, contiguous_microbatches
+from megaloop.depth.balance import idle_fraction, split_rank_rows
 from megaloop.train.flops import FlopModel
 from megaloop.train.precision import autocast_for
+
+# Telemetry averaged over the step's rows (each micro-batch's value weighted by its rows; under sequence parallelism a
+# tensor-parallel rank's value is a mean over its positions, so the job-wide sum divided by tp averages them).
+TELEMETRY = ("rho_A", "state_norm", "recurrent_residual")
+# Sums over this rank's rows, identical on the tensor-parallel ranks of one dp rank (so divided by tp_size).
+SUMS = ("loss_sum", "tokens", "sequences", "useful_flops", "executed_flops", "depth_sum", "core_rows")
+STOP_CODES = 2  # slots counting ranks that stop for a signal (code 1) or for the time limit (code 2)
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch of this rank: indices into the rank's rows and its host depths (T, k)."""
+
+    rows: np.ndarray
+    depth: np.ndarray
+    backprop_depth: np.ndarray
 
 
 @dataclass
 class StepStats:
-    loss_sum: float = 0.0  # sum over this rank's tokens of the token losses
-    tokens: int = 0
-    sequences: int = 0
-    useful_flops: float = 0.0
-    executed_flops: float = 0.0
-    depth_sum: int = 0
-    executed_depth_sum: int = 0
-    telemetry: dict = field(default_factory=dict)
+    """A step's local statistics: host numbers and device tensors, packed by `pack` for the one reduction."""
+
+    host: dict = field(default_factory=lambda: dict.fromkeys(SUMS, 0.0))
+    loss_sum: torch.Tensor | float = 0.0  # sum over this rank's tokens of the token losses (device tensor)
+    telemetry: dict = field(default_factory=dict)  # name -> sum over micro-batches of value x rows (device)
+    core_rows: object = 0  # core passes executed on this rank (int, or a device tensor from the model)
+    ran: list = field(default_factory=list)  # (micro-batch, the core passes the model reported for it)
     times: dict = field(default_factory=lambda: {"forward": 0.0, "backward": 0.0, "optimizer": 0.0})
     record: object = None
 
 
-def plan_microbatches(depths: torch.Tensor, micro_batch_size: int, bucket: bool) -> list:
-    if bucket:
-        return bucket_microbatches(depths, micro_batch_size)
-    return contiguous_microbatches(len(depths), micro_batch_size)
+def plan_step(depth_sample, micro_batch_size: int, by_depth: bool) -> list[MicroBatch]:
+    """This rank's rows cut into micro-batches of at most micro_batch_size (sorted by depth when by_depth)."""
+    T, k = depth_sample.T.numpy(), depth_sample.k.numpy()
+    return [MicroBatch(rows, T[rows], k[rows]) for rows in split_rank_rows(T, micro_batch_size, by_depth)]
+
+
+class StepTimer:
+    """forward/backward times summed over micro-batches: CUDA events on a GPU (read once, after the step's
+    synchronising reduction), wall clock on the CPU (where work is synchronous)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.spans = {"forward": [], "backward": []}
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def add(self, name: str, start, end) -> None:
+        self.spans[name].append((start, end))
+
+    def totals(self) -> dict:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return {k: sum(a.elapsed_time(b) for a, b in v) / 1e3 for k, v in self.spans.items()}
+        return {k: sum(b - a for a, b in v) for k, v in self.spans.items()}
 
 
 def train_step(model, optimizer, batch: dict, depth_sample, step: int, seed: int, cfg, runtime,
-               flop_model: FlopModel) -> StepStats:
-    """batch: {"tokens": [rows, S+1], "sample_index": [rows]} for this data-parallel rank."""
+               flop_model: FlopModel, loop_guard=contextlib.nullcontext) -> StepStats:
+    """batch: {"tokens": [rows, S+1], "sample_index": [rows]}: this data-parallel rank's rows (any number).
+    `loop_guard()` is entered around the micro-batch loop (tests count host syncs inside it)."""
     tokens, sample_index = batch["tokens"], batch["sample_index"]
-    device = runtime.device
-    stats = StepStats()
-    local_tokens = tokens.shape[0] * (tokens.shape[1] - 1)
-    global_tokens = runtime.sum_over_dp(float(local_tokens))
-    seq = tokens.shape[1] - 1
-    plan = plan_microbatches(depth_sample.T, cfg.data.micro_batch_size, cfg.train.bucket_depths)
-    for i, positions in enumerate(plan):
-        idx = torch.as_tensor(positions, dtype=torch.long)
-        mb = tokens[idx].to(device, non_blocking=True)
-        d = depth_sample.select(positions)
-        t0 = time.perf_counter()
-        with autocast_for(cfg.train.precision, device):
-            out = model(mb[:, :-1], labels=mb[:, 1:], depth=d.T, backprop_depth=d.k,
-                        noise_key=(seed, step, sample_index[idx]))
-        n_tok = mb.shape[0] * seq
-        scaled = out.loss * (n_tok / global_tokens)  # the global batch's token mean, whatever the split
-        t1 = time.perf_counter()
-        if i == len(plan) - 1:
-            runtime.overlap_next_backward()  # gradients are final in this backward: reduce buckets as they are
-        runtime.backward(scaled)
-        stats.times["forward"] += t1 - t0
-        stats.times["backward"] += time.perf_counter() - t1
-        stats.loss_sum += float(out.loss.detach()) * n_tok
-        stats.tokens += n_tok
-        stats.sequences += mb.shape[0]
-        stats.useful_flops += flop_model.useful(d.n, d.k, seq)
-        stats.executed_flops += flop_model.executed(d.n, d.k, seq)
-        stats.depth_sum += int(d.T.sum())
-        stats.executed_depth_sum += out.telemetry.get("executed_steps", 1) * mb.shape[0]
-        stats.telemetry = out.telemetry
+    device, seq = runtime.device, tokens.shape[1] - 1
+    global_tokens = cfg.data.global_batch_size * seq  # a host integer: the loss is the global token mean
+    plan = plan_step(depth_sample, cfg.data.micro_batch_size, cfg.train.bucket_depths)
+    stats, timer = StepStats(), StepTimer(device)
+    _count_host(stats, plan, depth_sample, flop_model, seq)
+    inputs = [(tokens[torch.from_numpy(mb.rows)].to(device, non_blocking=True),
+               sample_index[torch.from_numpy(mb.rows)]) for mb in plan]
+    with loop_guard():
+        for i, (mb, (ids, mb_index)) in enumerate(zip(plan, inputs)):
+            t0 = timer.mark()
+            with autocast_for(cfg.train.precision, device):
+                out = model(ids[:, :-1], labels=ids[:, 1:], depth=mb.depth, backprop_depth=mb.backprop_depth,
+                            noise_key=(seed, step, mb_index))
+            n_tok = len(mb.rows) * seq
+            t1 = timer.mark()
+            if i == len(plan) - 1:
+                runtime.overlap_next_backward()  # gradients are final in this backward: reduce buckets as they are
+            runtime.backward(out.loss * (n_tok / global_tokens))
+            timer.add("forward", t0, t1)
+            timer.add("backward", t1, timer.mark())
+            _accumulate(stats, out, mb, n_tok)
     t2 = time.perf_counter()
     runtime.reduce_gradients(model)
     stats.record = optimizer.step(step)
     optimizer.zero_grad(set_to_none=True)
+    stats.times.update(timer.totals())
     stats.times["optimizer"] = time.perf_counter() - t2
     return stats
+
+
+def _count_host(stats: StepStats, plan: list[MicroBatch], depth_sample, flop_model: FlopModel, seq: int) -> None:
+    """The host sums known before the loop: tokens, rows, depths and useful FLOPs."""
+    h = stats.host
+    h["tokens"] = float(len(depth_sample) * seq)
+    h["sequences"] = float(len(depth_sample))
+    h["depth_sum"] = float(depth_sample.T.sum())
+    h["useful_flops"] = sum(flop_model.useful(depth_sample.select(mb.rows).n, depth_sample.select(mb.rows).k, seq)
+                            for mb in plan)
+
+
+def _accumulate(stats: StepStats, out, mb: MicroBatch, n_tok: int) -> None:
+    """Add one micro-batch's loss and telemetry to the step's running sums (device tensors, no read-back)."""
+    rows = len(mb.rows)
+    stats.loss_sum = stats.loss_sum + out.loss.detach().to(torch.float64) * n_tok
+    tel = out.telemetry
+    for name in TELEMETRY:
+        value = tel.get(name, float("nan"))
+        value = value.detach().to(torch.float64) if torch.is_tensor(value) else float(value)
+        stats.telemetry[name] = stats.telemetry.get(name, 0.0) + value * rows
+    stats.core_rows = stats.core_rows + tel.get("core_rows", int(mb.depth.sum()))
+    stats.ran.append((mb, tel.get("core_rows")))
+
+
+@dataclass
+class StepFigures:
+    """A step's statistics over the whole job, from the packed reduction."""
+
+    loss: float
+    tokens: int
+    sequences: int
+    useful_flops: float
+    executed_flops: float
+    mean_depth: float
+    executed_depth: float
+    idle_fraction: float
+    telemetry: dict
+    stop_code: int  # 0: go on; 1: some rank had a signal; 2: some rank ran out of time (and none had a signal)
+
+
+def pack(stats: StepStats, flop_model: FlopModel, seq: int, dp_rank: int, dp_size: int, stop_code: int,
+         device) -> torch.Tensor:
+    """[SUMS..., TELEMETRY..., core rows of dp rank 0..dp-1, ranks stopping by code 1, by code 2] as float64."""
+    stats.host["executed_flops"] = _executed_flops(stats, flop_model, seq)
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    host = [stats.host[name] for name in SUMS if name not in ("loss_sum", "core_rows")]
+    parts = [zero + stats.loss_sum, *(zero + stats.telemetry.get(name, float("nan")) for name in TELEMETRY)]
+    slots = [zero] * dp_size
+    slots[dp_rank] = zero + stats.core_rows
+    stops = [float(stop_code == code) for code in range(1, STOP_CODES + 1)]
+    return torch.cat([torch.stack(parts + slots),
+                      torch.tensor(host + stops, dtype=torch.float64).to(device, non_blocking=True)])
+
+
+def _executed_flops(stats: StepStats, flop_model: FlopModel, seq: int) -> float:
+    """FLOPs as run: a micro-batch whose core passes equal the sum of its depths (the ragged loop) ran its useful
+    FLOPs; otherwise every row ran max(n) + max(k) laps (the masked loop)."""
+    total = 0.0
+    for mb, core_rows in stats.ran:
+        k, n = torch.from_numpy(mb.backprop_depth), torch.from_numpy(mb.depth - mb.backprop_depth)
+        ragged = isinstance(core_rows, int) and core_rows == int(mb.depth.sum())
+        total += flop_model.useful(n, k, seq) if ragged else flop_model.executed(n, k, seq)
+    return total
+
+
+def reduce_step(stats: StepStats, runtime, flop_model: FlopModel, seq: int, stop_code: int) -> StepFigures:
+    """The step's statistics summed over the job in runtime.sum_stats (one collective), as figures."""
+    dp, tp = runtime.dp_size, runtime.tp_size
+    vec = pack(stats, flop_model, seq, runtime.dp_rank, dp, stop_code, runtime.device)
+    total = runtime.sum_stats(vec).tolist()
+    n_tel, n_host = len(TELEMETRY), len(SUMS) - 2
+    loss_sum, tel = total[0] / tp, [v / tp for v in total[1:1 + n_tel]]
+    rank_core_rows = [v / tp for v in total[1 + n_tel:1 + n_tel + dp]]
+    host = dict(zip([n for n in SUMS if n not in ("loss_sum", "core_rows")],
+                    [v / tp for v in total[1 + n_tel + dp:1 + n_tel + dp + n_host]]))
+    stops = total[-STOP_CODES:]
+    tokens, sequences = int(round(host["tokens"])), max(int(round(host["sequences"])), 1)
+    return StepFigures(
+        loss=loss_sum / max(tokens, 1), tokens=tokens, sequences=sequences, useful_flops=host["useful_flops"],
+        executed_flops=host["executed_flops"], mean_depth=host["depth_sum"] / sequences,
+        executed_depth=sum(rank_core_rows) / sequences,
+        idle_fraction=idle_fraction(host["depth_sum"], rank_core_rows),
+        telemetry={name: v / sequences for name, v in zip(TELEMETRY, tel)},
+        stop_code=1 if stops[0] > 0 else 2 if stops[1] > 0 else 0)

@@ -1,8 +1,9 @@
 """When a job stops early, agreed by every rank: a signal (preemption, Ctrl-C, scancel) or the job's time budget.
 
 SIGINT, SIGTERM or SIGUSR1 on any rank, or the time budget running out on any rank, make every rank stop at the same
-step boundary: :meth:`StopRequests.agreed` is called by every rank before each step and all-reduces one small number
-(the maximum of each rank's reason code), so a signal that reached one rank first stops all of them at that step.
+step boundary: each rank puts :meth:`StopRequests.local_code` into its step's packed statistics (one reduction over
+the job per step, which the step makes anyway) and every rank then calls :meth:`StopRequests.decide` with the
+reduced code, so a signal that reached one rank first stops all of them after that step.
 The trainer then saves and exits with checkpointing.STOP_EXIT_CODE. A second signal aborts at once.
 
 The time budget: `train.time_limit_s` seconds from the start of training, and the unix time in the environment
@@ -54,16 +55,16 @@ class StopRequests:
     def note_save(self, seconds: float) -> None:
         self.slowest_save = max(self.slowest_save, seconds)
 
-    def _local_code(self) -> int:
+    def local_code(self) -> int:
+        """This rank's reason to stop now: 0 none, 1 a signal, 2 the time budget."""
         if self._signalled:
             return 1
         if self.deadline is not None and time.time() + 2 * self.slowest_step + self.slowest_save >= self.deadline:
             return 2
         return 0
 
-    def agreed(self, runtime) -> bool:
-        """True on every rank at the same step once any rank has a reason to stop (one small all-reduce)."""
-        code = int(runtime.world_max(float(self._local_code())))
+    def decide(self, code: int) -> bool:
+        """Whether to stop, from the job-wide code of this step's reduction (the same on every rank)."""
         if code:
             self.reason = self.signal_name if code == 1 and self.signal_name else REASONS[code]
         return bool(code)
