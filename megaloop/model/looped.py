@@ -71,6 +71,12 @@ class LoopedLM(nn.Module):
         self.ragged_loop = True  # False: the masked loop (every row runs max n + max k laps), for comparison
 
     # ---- execution -----------------------------------------------------------------------------------------
+    def set_execution(self, activation_checkpointing: str = "none", compile: bool = False) -> "LoopedLM":
+        """train.activation_checkpointing and train.compile, in one call (returns the model)."""
+        self.set_activation_checkpointing(activation_checkpointing)
+        self.set_compile(compile)
+        return self
+
     def set_activation_checkpointing(self, mode: str) -> None:
         """none | block (recompute each core block in backward) | lap (recompute each gradient lap)."""
         self.activation_checkpointing = check_checkpoint_mode(mode)
