@@ -97,8 +97,8 @@ def build_model_and_optimizer(cfg: Config, runtime, device: torch.device):
     model = build_model(cfg.model, device=device, seed=cfg.train.seed).to(param_dtype(precision))
     model.set_execution(cfg.train.activation_checkpointing, cfg.train.compile)
     model = runtime.prepare_model(model)
-    optimizer = build_optimizer(model.named_parameters(), cfg.optim, cfg.train.steps,
-                                norm_sq_reduce=runtime.norm_sq_reduce())
+    parts = runtime.optimizer_parts() if hasattr(runtime, "optimizer_parts") else None
+    optimizer = build_optimizer(model.named_parameters(), cfg.optim, cfg.train.steps, parts=parts)
     return model, runtime.prepare_optimizer(apply_optimizer_precision(optimizer, precision))
 
 
