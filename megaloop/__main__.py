@@ -1,4 +1,4 @@
-"""megaloop command line: `python -m megaloop train|check|flops|launch CONFIG [--set key=value ...]`."""
+"""megaloop command line: `python -m megaloop train|check|flops|launch|plan CONFIG [--set key=value ...]`."""
 from __future__ import annotations
 
 import argparse
@@ -19,6 +19,13 @@ def _parser() -> argparse.ArgumentParser:
                                     "code 2 before any process starts, e.g. `python -m megaloop launch "
                                     "--nproc-per-node 4 configs/parcae-tiny.yaml --set parallel.tp=2`"))
     p.add_argument("--nproc-per-node", type=int, required=True, metavar="N", help="processes to start")
+    plan = ("print the per-GPU memory of a job (parameters, gradients, optimizer state, activations under each "
+            "train.activation_checkpointing) and the largest micro-batch that fits")
+    from megaloop.plan.cli import add_arguments
+
+    add_arguments(_config_args(sub.add_parser("plan", help=plan, description=plan + ", e.g. `python -m megaloop "
+                                              "plan configs/parcae-1_3b.yaml --gpu h100 --nodes 1 "
+                                              "--gpus-per-node 8`")))
     return ap
 
 
@@ -55,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
             return _flops(load_config(args.config, args.overrides, validate=False))
         if args.command == "launch":
             return _launch(args)
+        if args.command == "plan":
+            from megaloop.plan.cli import run_plan
+
+            return run_plan(args)
         cfg = load_config(args.config, args.overrides, world_size=_world_size(args.command))
     except (ConfigError, FileNotFoundError) as err:
         print(f"megaloop: {err}", file=sys.stderr)

@@ -1,0 +1,109 @@
+"""The memory plan of a job: per-rank terms for a micro-batch size and checkpointing setting, and the largest
+micro-batch that fits a GPU.
+
+peak = parameters + gradients + optimizer state + max(activations of one micro-batch at their peak, the optimizer
+step's working memory): the step runs after the last backward, when the activations are gone.
+
+Later steps add their own terms here: the ring pipeline (pp > 1: per-stage parameters and the in-flight
+activations of the schedule's micro-batches) as `Plan.pipeline`, and throughput (step time from the FLOP model and
+the interconnect) as `Plan.timing`; both are None until then, and `--pp` is refused.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megaloop.config import Config
+from megaloop.model import build_model, count_parameters
+from megaloop.plan.activations import CHECKPOINTING, ActivationTerms, activation_terms
+from megaloop.plan.gpus import Gpu
+from megaloop.plan.layout import Layout, LocalParam, local_params, resolve_layout
+from megaloop.plan.static import StaticTerms, static_terms
+
+MAX_MICRO_BATCH = 1 << 20
+
+
+@dataclass(frozen=True)
+class MemoryTerm:
+    """One line of the breakdown: bytes on the most loaded rank and what they are."""
+
+    name: str
+    bytes: int
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class MicroBatchPlan:
+    """Per-rank memory at one micro-batch size under one checkpointing setting."""
+
+    micro_batch: int
+    checkpointing: str
+    static: StaticTerms
+    activations: ActivationTerms
+
+    @property
+    def peak(self) -> int:
+        return self.static.persistent + max(self.activations.peak, self.static.step_working)
+
+    def terms(self) -> list[MemoryTerm]:
+        s, a = self.static, self.activations
+        rows = [
+            MemoryTerm("parameters", s.params), MemoryTerm("gradients", s.grads),
+            MemoryTerm("optimizer: Muon state", s.muon), MemoryTerm("optimizer: AdamW state", s.adamw),
+            MemoryTerm("activations: prelude + coda blocks", a.prelude_coda),
+            MemoryTerm("activations: kept laps", a.laps, f"{a.kept_laps} laps"),
+            MemoryTerm("activations: once per micro-batch", a.once, "ids, value embeddings, norms, term of e, "
+                       "head input"),
+            MemoryTerm("activations: logits + softmax", a.logits, "fp32 [b, s, V/tp] and the saved softmax"),
+            MemoryTerm("activations: bf16 weight copies", a.weight_copies),
+            MemoryTerm("activations: backward transient", a.transient,
+                       "recompute + block gradients" if a.recompute + a.working > a.loss_grad
+                       else "cross-entropy gradients"),
+            MemoryTerm("optimizer step working memory", s.step_working, "after backward; counted when larger "
+                       "than the activations"),
+        ]
+        return rows
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything the planner knows about one job on one GPU type."""
+
+    cfg: Config
+    layout: Layout
+    gpu: Gpu
+    n_params: int
+    params: tuple[LocalParam, ...]
+    pipeline: None = None  # ring pipeline terms (pp > 1): a later step
+    timing: None = None  # throughput prediction: a later step
+
+    def at(self, micro_batch: int, checkpointing: str | None = None) -> MicroBatchPlan:
+        ck = checkpointing or self.cfg.train.activation_checkpointing
+        static = static_terms(list(self.params), self.layout, self.cfg.train.precision,
+                              self.cfg.parallel.zero_offload)
+        acts = activation_terms(self.cfg, micro_batch, self.layout.tp, self.layout.sp, ck, self.params)
+        return MicroBatchPlan(micro_batch, ck, static, acts)
+
+    def fits(self, micro_batch: int, checkpointing: str | None = None) -> bool:
+        return self.at(micro_batch, checkpointing).peak <= self.gpu.usable_bytes
+
+    def largest_micro_batch(self, checkpointing: str | None = None) -> int:
+        """The largest b whose peak fits the GPU's usable memory (0: not even one sequence)."""
+        if not self.fits(1, checkpointing):
+            return 0
+        low, high = 1, 2
+        while high <= MAX_MICRO_BATCH and self.fits(high, checkpointing):
+            low, high = high, high * 2
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if self.fits(mid, checkpointing) else (low, mid)
+        return low
+
+    def settings(self) -> tuple[str, ...]:
+        return CHECKPOINTING
+
+
+def make_plan(cfg: Config, gpu: Gpu, world: int) -> Plan:
+    """The plan of `cfg` on `world` GPUs of type `gpu` (raises ConfigError for a layout that cannot run)."""
+    layout = resolve_layout(cfg, world)
+    n_params = count_parameters(build_model(cfg.model, device="meta"))
+    return Plan(cfg, layout, gpu, n_params, tuple(local_params(cfg, layout.tp)))

@@ -1,0 +1,99 @@
+"""Per-rank memory that does not depend on the micro-batch: parameters, gradients, optimizer state, and the
+optimizer step's own working memory.
+
+  parameters   this rank's tensor-parallel shards (fp32; fp64 under train.precision=fp64); DeepSpeed ZeRO-3: 1/dp
+  gradients    one copy of the local gradients in the parameter dtype (a persistent contiguous buffer per dtype);
+               DeepSpeed ZeRO-2/3: this rank's 1/dp partition plus one reduction bucket
+  Muon         momentum [rows, cols] and NorMuon's second moment [rows, 1] or [1, cols], at least fp32, for the
+               matrices this rank owns: all of them in one process; under tp > 1 or ZeRO-1 with dp > 1 the
+               distributed Muon assigns whole matrices to the dp x tp ranks (pipeline.dist_muon.assign_owners) and
+               the most loaded rank is reported
+  AdamW        exp_avg and exp_avg_sq in the parameter dtype; ZeRO-1 (native, dp > 1): 1/dp of them per rank plus
+               the 1/dp master slice ZeroAdamW steps (pipeline/zero.py); DeepSpeed: 1/dp plus its fp32
+               partition (on the CPU with parallel.zero_offload)
+  step working the optimizer step's largest temporaries: the distributed Muon's shared updates (one copy of the
+               local Muon matrices), ZeroAdamW's flat parameters and gradients (two copies of the local AdamW
+               parameters), the data-parallel reduction buckets (one copy of the gradients), Polar Express on the
+               largest matrix
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megaloop.plan.layout import Layout, LocalParam
+from pipeline.dist_muon import assign_owners
+
+DEEPSPEED_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's default reduce/allgather bucket (elements)
+DEEPSPEED_PREFETCH_ELEMENTS = 50_000_000  # ZeRO-3's default prefetch bucket (elements)
+
+
+@dataclass(frozen=True)
+class StaticTerms:
+    params: int
+    grads: int
+    muon: int
+    adamw: int
+    step_working: int
+
+    @property
+    def persistent(self) -> int:
+        return self.params + self.grads + self.muon + self.adamw
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _muon_state(shape: tuple[int, ...]) -> int:
+    rows, cols = shape
+    return rows * cols + (rows if rows >= cols else cols)
+
+
+def muon_state_elements(params: list[LocalParam], layout: Layout) -> int:
+    """Elements of Muon state on the most loaded rank."""
+    matrices = [p for p in params if p.optimizer == "muon"]
+    if not matrices:
+        return 0
+    distributed = layout.engine == "native" and (layout.tp > 1 or (layout.zero_stage >= 1 and layout.dp > 1))
+    if not distributed:
+        return sum(_muon_state(p.full_shape) for p in matrices)
+    owners = assign_owners([p.full_numel for p in matrices], layout.dp * layout.tp)
+    load = [0] * (layout.dp * layout.tp)
+    for p, slot in zip(matrices, owners):
+        load[slot] += _muon_state(p.full_shape)
+    return max(load)
+
+
+def static_terms(params: list[LocalParam], layout: Layout, precision: str, offload: bool = False) -> StaticTerms:
+    """The micro-batch-independent memory of the most loaded rank (see the module docstring)."""
+    pb = 8 if precision == "fp64" else 4
+    n_local = sum(p.local_numel for p in params)
+    n_muon = sum(p.local_numel for p in params if p.optimizer == "muon")
+    n_adamw = n_local - n_muon
+    largest = max((p.full_numel for p in params if p.optimizer == "muon"), default=0)
+    polar = 6 * pb * largest
+    if layout.engine == "deepspeed":
+        return _deepspeed_terms(n_local, layout, offload, largest_param=max(p.full_numel for p in params))
+    muon = pb * muon_state_elements(params, layout)
+    zero1 = layout.zero_stage >= 1 and layout.dp > 1
+    if zero1:
+        adamw = 3 * pb * _ceil_div(n_adamw, layout.dp)
+        working = max(2 * pb * n_adamw, pb * n_local)
+    else:
+        adamw = 2 * pb * n_adamw
+        working = pb * n_local if layout.dp > 1 else 0
+    distributed_muon = muon and (layout.tp > 1 or zero1)
+    working = max(working, (pb * n_muon if distributed_muon else 0) + polar)
+    return StaticTerms(params=pb * n_local, grads=pb * n_local, muon=muon, adamw=adamw, step_working=working)
+
+
+def _deepspeed_terms(n: int, layout: Layout, offload: bool, largest_param: int) -> StaticTerms:
+    """DeepSpeed ZeRO 1/2/3 in fp32 (the engine runs AdamW only, tp = pp = 1), buffers at DeepSpeed's defaults."""
+    dp, stage = layout.dp, layout.zero_stage
+    part = _ceil_div(n, dp)
+    bucket = 4 * min(DEEPSPEED_BUCKET_ELEMENTS, n)
+    params = 4 * part if stage == 3 else 4 * n
+    grads = 4 * n if stage == 1 else 4 * part + bucket
+    adamw = 0 if offload else 3 * 4 * part  # exp_avg, exp_avg_sq and the fp32 partition
+    working = 4 * min(n, DEEPSPEED_PREFETCH_ELEMENTS + 2 * largest_param) if stage == 3 else bucket
+    return StaticTerms(params=params, grads=grads, muon=0, adamw=adamw, step_working=working)
