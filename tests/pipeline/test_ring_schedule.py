@@ -1,0 +1,197 @@
+"""The ring pipeline schedule as data: generator, baselines, simulator and Gantt chart (pure Python, fast)."""
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from pipeline.ring import (
+    Backward,
+    CostModel,
+    DeadlockError,
+    Forward,
+    MicroBatch,
+    Recv,
+    ScheduleError,
+    Send,
+    chain,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    rank_of,
+    ring_schedule,
+    simulate,
+    uniform_specs,
+)
+from pipeline.ring.gantt import gantt_chart
+
+UNIFORM = CostModel(forward=1.0, backward=2.0)
+
+
+def random_specs(m: int, mu_rec: int, seed: int) -> list[MicroBatch]:
+    """m micro-batches with laps drawn around mu_rec and k = min(laps, ceil(mu_rec / 2))."""
+    rng = random.Random(seed)
+    specs = []
+    for _ in range(m):
+        laps = max(1, round(rng.gauss(mu_rec, mu_rec ** 0.5)))
+        specs.append(MicroBatch(laps, min(laps, -(-mu_rec // 2))))
+    return specs
+
+
+RING_CASES = [(2, 6, 4, 3), (3, 5, 6, 2), (4, 8, 8, 4)]  # (pp, m, mu_rec, max_in_flight)
+
+
+@pytest.mark.parametrize("pp,m,mu_rec,bound", RING_CASES)
+def test_every_micro_batch_runs_its_laps_in_order_on_every_rank(pp, m, mu_rec, bound):
+    specs = random_specs(m, mu_rec, seed=pp)
+    schedule = ring_schedule(specs, pp, bound)
+    for rank, actions in enumerate(schedule):
+        forwards = Counter()
+        for action in actions:
+            if isinstance(action, Forward):
+                spec = specs[action.mb]
+                assert action.stage == rank and action.lap == forwards[action.mb]
+                assert action.grad == (action.lap >= spec.laps - spec.grad_laps)
+                forwards[action.mb] += 1
+        for mb, spec in enumerate(specs):
+            assert forwards[mb] == spec.laps
+            laps = [a.lap for a in actions if isinstance(a, Backward) and a.mb == mb]
+            assert laps == list(reversed(range(spec.laps - spec.grad_laps, spec.laps)))
+            assert all(a.stage == rank for a in actions if isinstance(a, Backward))
+    expected = Counter(rank_of(a, pp) for mb, spec in enumerate(specs) for a in chain(mb, spec, pp))
+    computed = Counter(r for r, actions in enumerate(schedule) for a in actions if not isinstance(a, (Send, Recv)))
+    assert computed == expected
+
+
+@pytest.mark.parametrize("pp,m,mu_rec,bound", RING_CASES + [(2, 4, 4, 2)])
+def test_sends_match_recvs_in_channel_order(pp, m, mu_rec, bound):
+    schedule = ring_schedule(random_specs(m, mu_rec, seed=m), pp, bound)
+    sends, recvs = {}, {}
+    for rank, actions in enumerate(schedule):
+        for a in actions:
+            if isinstance(a, Send):
+                sends.setdefault((rank, a.dst), []).append(a.message)
+            elif isinstance(a, Recv):
+                recvs.setdefault((a.src, rank), []).append(a.message)
+    assert sends == recvs and sends
+    for (src, dst), messages in sends.items():
+        assert dst in ((src + 1) % pp, (src - 1) % pp)  # ring neighbours only
+        assert all(rank_of(msg.producer, pp) == src for msg in messages)
+
+
+def _two_lap_schedule():
+    specs = [MicroBatch(2, 1)]
+    return specs, ring_schedule(specs, 2, 1)
+
+
+def test_simulator_reports_the_cycle_of_a_deadlock():
+    specs, schedule = _two_lap_schedule()
+    rank0 = schedule[0]
+    wrap = next(i for i, a in enumerate(rank0) if isinstance(a, Recv))  # the lap-0 activation coming back
+    first_send = next(i for i, a in enumerate(rank0) if isinstance(a, Send))
+    broken = [rank0[:first_send] + [rank0[wrap]] + rank0[first_send:wrap] + rank0[wrap + 1:], schedule[1]]
+    simulate(schedule, specs)  # the original runs
+    with pytest.raises(DeadlockError) as info:
+        simulate(broken, specs)
+    assert sorted(rank for rank, _ in info.value.cycle) == [0, 1]
+    assert "deadlock" in str(info.value) and "rank 0 waits" in str(info.value)
+
+
+def test_simulator_rejects_recvs_out_of_channel_order_and_missing_sends():
+    specs = uniform_specs(2)
+    schedule = gpipe(2, 2)
+    rank1 = schedule[1]
+    recv_positions = [i for i, a in enumerate(rank1) if isinstance(a, Recv)][:2]
+    swapped = list(rank1)
+    swapped[recv_positions[0]], swapped[recv_positions[1]] = rank1[recv_positions[1]], rank1[recv_positions[0]]
+    with pytest.raises(ScheduleError, match="Send order"):
+        simulate([schedule[0], swapped], specs)
+    no_sends = [schedule[0], [a for a in schedule[1] if not isinstance(a, Send)]]
+    with pytest.raises(DeadlockError, match="finished without sending"):
+        simulate(no_sends, specs)
+    with pytest.raises(ScheduleError, match="never runs"):
+        simulate([schedule[0][:0], schedule[1][:0]], specs)
+
+
+@pytest.mark.parametrize("pp,m", [(1, 3), (2, 4), (4, 4), (4, 7), (8, 16)])
+@pytest.mark.parametrize("f,b", [(1.0, 2.0), (1.5, 2.5)])
+def test_gpipe_and_1f1b_makespans_match_the_closed_form(pp, m, f, b):
+    costs = CostModel(forward=f, backward=b)
+    closed = (m + pp - 1) * (f + b)
+    assert simulate(gpipe(pp, m), uniform_specs(m), costs).makespan == pytest.approx(closed, abs=1e-12)
+    one = simulate(one_f_one_b(pp, m), uniform_specs(m), costs)
+    assert one.makespan == pytest.approx(closed, abs=1e-12)
+    assert one.peak_in_flight == [min(pp - r, m) for r in range(pp)]  # 1F1B's known activation profile
+
+
+@pytest.mark.parametrize("pp,m,v", [(2, 4, 2), (4, 8, 3), (4, 4, 4)])
+def test_interleaved_1f1b_makespan_matches_the_closed_form(pp, m, v):
+    result = simulate(interleaved_1f1b(pp, m, v), uniform_specs(m, v), UNIFORM)
+    assert result.makespan == pytest.approx((m * v + pp - 1) * 3.0, abs=1e-12)
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 6)])
+def test_gpipe_makespan_with_latency(pp, m):
+    costs = CostModel(forward=1.0, backward=2.0, latency=0.25)
+    expected = (m + pp - 1) * 3.0 + 2 * (pp - 1) * 0.25  # one hop per stage boundary, forward and backward
+    assert simulate(gpipe(pp, m), uniform_specs(m), costs).makespan == pytest.approx(expected, abs=1e-12)
+
+
+def test_a_single_ragged_micro_batch_costs_the_sum_of_its_chain():
+    spec = MicroBatch(3, 2, active=(0.5, 0.75, 1.0))
+    costs = CostModel(forward=1.0, backward=2.0, nograd_forward=0.8, embed=0.3, embed_backward=0.6, loss=0.4,
+                      loss_backward=0.7, latency=0.1)
+    pp = 3
+    result = simulate(ring_schedule([spec], pp, 1), [spec], costs)
+    forward = pp * (0.8 * 0.5 + 1.0 * 0.75 + 1.0 * 1.0)
+    backward = pp * 2.0 * (0.75 + 1.0)
+    hops = (3 * pp - 1) + (2 * pp - 1)  # 3 laps of forward hops, 2 laps of backward hops
+    expected = 0.3 + forward + 0.4 + 0.7 + backward + 0.6 + hops * 0.1
+    assert result.makespan == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize("pp,m,mu_rec,bound", [(2, 8, 8, 2), (4, 10, 6, 3), (4, 8, 16, 8)])
+def test_stored_activations_stay_within_the_bounds(pp, m, mu_rec, bound):
+    specs = random_specs(m, mu_rec, seed=bound)
+    result = simulate(ring_schedule(specs, pp, bound, 2 * bound), specs, UNIFORM, bound, 2 * bound)
+    assert max(result.peak_in_flight) <= bound and result.peak_open <= 2 * bound
+    assert max(result.peak_stored) <= bound * max(s.grad_laps for s in specs) + 2 * bound + 1
+    with pytest.raises(ScheduleError, match="exceed the bound"):
+        simulate(ring_schedule(specs, pp, bound + 1), specs, UNIFORM, max_in_flight=0)
+
+
+@pytest.mark.parametrize("pp,m,v", [(2, 4, 2), (2, 8, 2), (4, 8, 2), (4, 8, 4), (8, 16, 2)])
+def test_ring_bubble_is_at_most_interleaved_1f1b_with_as_many_laps(pp, m, v):
+    specs = uniform_specs(m, v)
+    ring = simulate(ring_schedule(specs, pp, 2 * pp), specs, UNIFORM, 2 * pp)
+    interleaved = simulate(interleaved_1f1b(pp, m, v), specs, UNIFORM)
+    assert interleaved.peak_in_flight[0] == min(2 * pp, m)  # the same bound holds interleaved 1F1B's activations
+    assert ring.idle_fraction <= (pp - 1) / (v * m) + 1e-12
+    assert ring.makespan <= interleaved.makespan + 1e-12
+
+
+@pytest.mark.parametrize("pp,m,mu_rec", [(4, 8, 8), (8, 16, 4), (2, 8, 4)])
+def test_ring_bubble_with_sampled_laps_is_at_most_interleaved_1f1b_of_equal_work(pp, m, mu_rec):
+    specs = random_specs(m, mu_rec, seed=3)
+    ring = simulate(ring_schedule(specs, pp, 2 * pp), specs, UNIFORM, 2 * pp)
+    work = sum(s.laps * 1.0 + s.grad_laps * 2.0 for s in specs)
+    v = work / (m * 3.0)  # full laps (forward + backward) with the same work per micro-batch
+    assert ring.idle_fraction <= (pp - 1) / (v * m) + 1e-12
+
+
+def test_gantt_chart_writes_a_small_png(tmp_path):
+    specs = random_specs(6, 4, seed=1)
+    result = simulate(ring_schedule(specs, 3, 3), specs, UNIFORM)
+    path = gantt_chart(result, tmp_path / "ring.png")
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and 1_000 < len(data) < 200_000
+
+
+def test_generator_refuses_bad_bounds_and_specs():
+    with pytest.raises(ScheduleError, match="max_in_flight"):
+        ring_schedule([MicroBatch(2, 1)], 2, 0)
+    with pytest.raises(ScheduleError, match="grad_laps"):
+        MicroBatch(2, 3)
+    with pytest.raises(ScheduleError, match="multiple of pp"):
+        interleaved_1f1b(4, 6, 2)
