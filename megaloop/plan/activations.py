@@ -132,6 +132,7 @@ class ActivationTerms:
     laps: int  # the kept laps, as stored under the checkpointing setting
     kept_laps: int
     logits: int  # fp32 logits and the saved (log-)softmax
+    held_logits: int  # the previous micro-batch's logits, held by the trainer until the next forward returns
     weight_copies: int  # bf16 autocast copies of the matmul weights used outside recomputed regions
     loss_grad: int  # the cross-entropy's gradients, live at the start of backward
     recompute: int  # one block (block) or one lap (lap) recomputed during backward (without weight copies: the
@@ -140,7 +141,7 @@ class ActivationTerms:
 
     @property
     def stored(self) -> int:
-        return self.once + self.prelude_coda + self.laps + self.logits + self.weight_copies
+        return self.once + self.prelude_coda + self.laps + self.logits + self.held_logits + self.weight_copies
 
     @property
     def transient(self) -> int:
@@ -166,9 +167,11 @@ def weight_copy_bytes(cfg: Config, params, names: str = "") -> int:
                and not p.name.startswith("value_embeds."))
 
 
-def activation_terms(cfg: Config, b: int, tp: int, sp: bool, checkpointing: str, params) -> ActivationTerms:
+def activation_terms(cfg: Config, b: int, tp: int, sp: bool, checkpointing: str, params,
+                     micro_batches: int = 1) -> ActivationTerms:
     """The activation memory of a micro-batch of b sequences on one rank (see the module docstring); `params`:
-    this rank's LocalParam list (for the autocast weight copies)."""
+    this rank's LocalParam list (for the autocast weight copies); micro_batches: per rank and step (from the
+    second one on, the trainer still holds the previous micro-batch's output while the next forward runs)."""
     if checkpointing not in CHECKPOINTING:
         raise ValueError(f"activation checkpointing {checkpointing!r}: allowed {CHECKPOINTING}")
     m, z = cfg.model, Sizes.of(cfg, b, tp, sp)
@@ -196,5 +199,6 @@ def activation_terms(cfg: Config, b: int, tp: int, sp: bool, checkpointing: str,
     logits = z.full(2 * z.act * z.vocab)
     loss_grad = z.full((2 if tp == 1 else 1) * z.act * z.vocab)
     return ActivationTerms(once=once, prelude_coda=_stack_bytes(z, m, pre) + _stack_bytes(z, m, coda), laps=laps,
-                           kept_laps=k, logits=logits, weight_copies=copies, loss_grad=loss_grad,
+                           kept_laps=k, logits=logits, held_logits=z.full(z.act * z.vocab) * (micro_batches > 1),
+                           weight_copies=copies, loss_grad=loss_grad,
                            recompute=recompute, working=z.full(z.mm * z.ffn + z.act * z.d))

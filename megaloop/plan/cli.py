@@ -11,8 +11,8 @@ from megaloop.plan.report import plan_dict, plan_text
 
 def add_arguments(p) -> None:
     p.add_argument("--gpu", default="h100", choices=sorted(GPUS), help="GPU type (memory size); default h100")
-    p.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes (default 1)")
-    p.add_argument("--gpus-per-node", type=int, default=8, metavar="G", help="GPUs per node (default 8)")
+    p.add_argument("--nodes", type=int, required=True, metavar="N", help="nodes of the job")
+    p.add_argument("--gpus-per-node", type=int, required=True, metavar="G", help="GPUs per node")
     p.add_argument("--pp", type=int, default=1, metavar="P",
                    help="pipeline stages: planning the ring pipeline is a later step, only 1 is accepted")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")

@@ -54,6 +54,8 @@ class MicroBatchPlan:
             MemoryTerm("activations: once per micro-batch", a.once, "ids, value embeddings, norms, term of e, "
                        "head input"),
             MemoryTerm("activations: logits + softmax", a.logits, "fp32 [b, s, V/tp] and the saved softmax"),
+            MemoryTerm("activations: previous logits", a.held_logits, "the trainer holds the last micro-batch's "
+                       "output until the next forward returns"),
             MemoryTerm("activations: bf16 weight copies", a.weight_copies),
             MemoryTerm("activations: backward transient", a.transient,
                        "recompute + block gradients" if a.recompute + a.working > a.loss_grad
@@ -80,7 +82,9 @@ class Plan:
         ck = checkpointing or self.cfg.train.activation_checkpointing
         static = static_terms(list(self.params), self.layout, self.cfg.train.precision,
                               self.cfg.parallel.zero_offload)
-        acts = activation_terms(self.cfg, micro_batch, self.layout.tp, self.layout.sp, ck, self.params)
+        rows = self.cfg.data.global_batch_size // self.layout.dp  # this rank's sequences per step
+        acts = activation_terms(self.cfg, micro_batch, self.layout.tp, self.layout.sp, ck, self.params,
+                                micro_batches=-(-rows // micro_batch))
         return MicroBatchPlan(micro_batch, ck, static, acts)
 
     def fits(self, micro_batch: int, checkpointing: str | None = None) -> bool:
