@@ -1,14 +1,26 @@
-"""Data-parallel gradient reduction: one bucketed all-reduce (sum) of every gradient per optimizer step.
+"""Data-parallel gradient reduction over a :class:`~pipeline.grad_buffer.GradBuffer`, once per optimizer step.
 
-A looped model reuses its core weights a different number of times in every step (and on every rank), so nothing
-here assumes a static graph: autograd accumulates all uses of a weight into its .grad, and the reducer only reads
-.grad once the backward of the step's last micro-batch has produced it. The default is to reduce everything after
-the last backward (:meth:`GradReducer.reduce`). Optionally (:meth:`overlap_next_backward`, called just before the
-last micro-batch's backward) a bucket is launched as soon as all of its gradients are final (torch's
-post-accumulate-grad hook fires once per parameter per backward, after every use has been summed); buckets are
-launched strictly in bucket order, so every rank issues the same collectives in the same order whatever order its
-own graph finished them in. The sum (not the mean) is taken: the trainer divides each rank's loss by the global
-token count, so the sum over ranks is the gradient of the global token mean.
+Two modes, chosen by the buffer's chunking:
+
+- all-reduce (the buffer has one chunk: ZeRO stage 0, or no sharded optimizer built yet): every rank ends with the
+  summed gradient of every parameter, reduced in place in the buffer (no concatenation, no copy back);
+- reduce-scatter (dp chunks, ZeRO-1): rank r ends with the summed gradient of its own chunk only, which is all
+  that its optimizer updates; the rest of its buffer still holds its local gradients until zero_grad.
+
+`wire_dtype` bf16 sends a bf16 copy of the gradients: in all-reduce mode the sum is taken in bf16 by the
+collective; in reduce-scatter mode each rank receives every rank's bf16 piece of its chunk (one all-to-all, the
+same bytes as a ring reduce-scatter) and adds them up in the gradient's own dtype, in rank order.
+
+Buckets are column ranges of the [dp, chunk_len] view of a dtype's buffer, so every bucket is a collective of the
+same size on every rank. A looped model reuses its core weights a different number of times in every step (and on
+every rank), so nothing assumes a static graph: autograd sums every use of a weight into its .grad, and a bucket is
+reduced once the step's last backward has produced all of its gradients. By default everything is reduced after
+that backward (:meth:`BufferReducer.reduce`); optionally (:meth:`overlap_next_backward`, called just before the last
+micro-batch's backward) a bucket is launched as soon as all of its parameters' post-accumulate-grad hooks have fired
+(once per parameter per backward, after every use is summed), strictly in bucket order, so every rank issues the
+same collectives in the same order whatever order its own graph finished them in. A parameter that got no gradient
+in that backward simply leaves its bucket to :meth:`reduce`. The sum (not the mean) is taken: the trainer divides
+each rank's loss by the global token count, so the sum over ranks is the gradient of the global token mean.
 """
 from __future__ import annotations
 
@@ -17,58 +29,67 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from pipeline.grad_buffer import FlatGroup, GradBuffer
+
 DEFAULT_BUCKET_MB = 25.0
+WIRE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # None: the gradient's own dtype
 
 
 @dataclass
 class _Bucket:
-    params: list[torch.Tensor]
-    dtype: torch.dtype
-    numel: int
+    group: FlatGroup
+    lo: int  # column range [lo, hi) of every chunk
+    hi: int
+    members: set = field(default_factory=set)  # ids of the parameters with elements in the bucket
     pending: int = 0
     ready: bool = False
     work: object = None
-    flat: torch.Tensor | None = None
-    members: set = field(default_factory=set)
+    wire: torch.Tensor | None = None  # the bf16 copy and what came back (bf16 wire only)
 
 
-def _make_buckets(params: list[torch.Tensor], bucket_bytes: float) -> list[_Bucket]:
-    """Group parameters (in reverse model order, the order backward tends to finish them) into buckets of at most
-    bucket_bytes each, one dtype per bucket."""
-    buckets: list[_Bucket] = []
-    current: list[torch.Tensor] = []
-    size = 0.0
-    for p in reversed(params):
-        nbytes = p.numel() * p.element_size()
-        if current and (size + nbytes > bucket_bytes or p.dtype != current[0].dtype):
-            buckets.append(_Bucket(current, current[0].dtype, sum(q.numel() for q in current)))
-            current, size = [], 0.0
-        current.append(p)
-        size += nbytes
-    if current:
-        buckets.append(_Bucket(current, current[0].dtype, sum(q.numel() for q in current)))
-    for b in buckets:
-        b.members = {id(p) for p in b.params}
+def _columns(group: FlatGroup, index: int) -> list[tuple[int, int]]:
+    """Column ranges (within a chunk) covered by parameter `index`, one per chunk it touches."""
+    off, n, length = group.offsets[index], group.params[index].numel(), group.chunk_len
+    return [(max(off, r * length) - r * length, min(off + n, (r + 1) * length) - r * length)
+            for r in range(off // length, (off + n - 1) // length + 1)]
+
+
+def make_buckets(buffer: GradBuffer, bucket_bytes: float) -> list[_Bucket]:
+    """Column-range buckets of at most about bucket_bytes each (over all chunks), per dtype group."""
+    buckets = []
+    for group in buffer.groups:
+        element = group.grad_flat.element_size() * group.dp
+        width = max(1, int(bucket_bytes // element))
+        first = len(buckets)
+        buckets += [_Bucket(group, lo, min(lo + width, group.chunk_len))
+                    for lo in range(0, group.chunk_len, width)]
+        for index, p in enumerate(group.params):
+            for a, b in _columns(group, index):
+                for k in range(a // width, (b - 1) // width + 1):
+                    buckets[first + k].members.add(id(p))
     return buckets
 
 
-class GradReducer:
-    """Sum the gradients of `params` over the data-parallel group (None group: nothing to do).
+class BufferReducer:
+    """Sum the buffer's gradients over `group` (None: nothing to do) in buckets; see the module docstring."""
 
-    A gradient missing on a rank (parameter unused in its micro-batches) counts as zero and is created, so the
-    collectives match across ranks."""
-
-    def __init__(self, params, group, bucket_mb: float = DEFAULT_BUCKET_MB):
-        self.params = [p for p in params if p.requires_grad]
-        self.group = group
-        self.buckets = _make_buckets(self.params, bucket_mb * 2**20)
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+    def __init__(self, buffer: GradBuffer, group, bucket_mb: float = DEFAULT_BUCKET_MB, wire: str = "fp32"):
+        if wire not in WIRE_DTYPES:
+            raise ValueError(f"gradient reduction dtype {wire!r}: use one of {sorted(WIRE_DTYPES)}")
+        self.buffer, self.group = buffer, group
+        self.wire_dtype = WIRE_DTYPES[wire]
+        self.scatter = buffer.dp > 1
+        self.buckets = make_buckets(buffer, bucket_mb * 2**20)
+        self._buckets_of: dict[int, list[_Bucket]] = {}
+        for b in self.buckets:
+            for pid in b.members:
+                self._buckets_of.setdefault(pid, []).append(b)
         self._armed = False
         self._next_launch = 0
         self.launched_in_backward = 0  # buckets of the last step launched while the backward was still running
         self._hooks = []
         if group is not None:
-            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in buffer.params]
 
     # ---- overlap --------------------------------------------------------------------------------------------
     def overlap_next_backward(self) -> None:
@@ -80,19 +101,18 @@ class GradReducer:
         self._armed = True
         self.launched_in_backward = 0
         for b in self.buckets:
-            b.pending = len(b.params)
+            b.pending = len(b.members)
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if not self._armed:
             return
-        bucket = self._bucket_of[id(param)]
-        if bucket.work is not None:
-            raise RuntimeError("a gradient changed after its bucket was reduced: overlap_next_backward() must be "
-                               "called only before the step's last backward")
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            bucket.ready = True
-            self._launch_ready_in_order()
+        for bucket in self._buckets_of[id(param)]:
+            if bucket.work is not None:
+                raise RuntimeError("a gradient changed after its bucket was reduced: overlap_next_backward() "
+                                   "must be called only before the step's last backward")
+            bucket.pending -= 1
+            bucket.ready = bucket.pending == 0
+        self._launch_ready_in_order()
 
     def _launch_ready_in_order(self) -> None:
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].ready:
@@ -102,35 +122,47 @@ class GradReducer:
 
     # ---- reduction ------------------------------------------------------------------------------------------
     def _launch(self, bucket: _Bucket) -> None:
-        grads = []
-        for p in bucket.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad.reshape(-1))
-        bucket.flat = torch.cat(grads)
-        bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+        g = bucket.group
+        grads = g.grad_flat.view(g.dp, g.chunk_len)[:, bucket.lo:bucket.hi]
+        mine = grads[self.buffer.rank]
+        if not self.scatter:  # one chunk: all-reduce in place (or a bf16 copy)
+            if self.wire_dtype is None:
+                bucket.work = dist.all_reduce(mine, group=self.group, async_op=True)
+            else:
+                bucket.wire = mine.to(self.wire_dtype)
+                bucket.work = dist.all_reduce(bucket.wire, group=self.group, async_op=True)
+        elif self.wire_dtype is None:
+            bucket.work = dist.reduce_scatter_single(mine, grads.contiguous().view(-1), group=self.group, async_op=True)
+        else:
+            send = grads.to(self.wire_dtype)
+            bucket.wire = torch.empty_like(send)
+            bucket.work = dist.all_to_all_single(bucket.wire, send, group=self.group, async_op=True)
+
+    def _finish(self, bucket: _Bucket) -> None:
+        bucket.work.wait()
+        if bucket.wire is None:
+            return
+        g = bucket.group
+        mine = g.grad_flat.view(g.dp, g.chunk_len)[self.buffer.rank, bucket.lo:bucket.hi]
+        received = bucket.wire.to(mine.dtype)
+        mine.copy_(received if not self.scatter else received.sum(dim=0))
 
     @torch.no_grad()
     def reduce(self) -> None:
-        """Finish the step's reduction: launch every bucket not yet launched (in bucket order), wait for all, and
-        write the sums back into .grad."""
+        """Finish the step's reduction: launch every bucket not yet launched (in bucket order) and wait for all."""
         if self.group is None:
             return
         for index in range(self._next_launch, len(self.buckets)):
             self._launch(self.buckets[index])
         for bucket in self.buckets:
-            bucket.work.wait()
-            offset = 0
-            for p in bucket.params:
-                p.grad.copy_(bucket.flat[offset:offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
+            self._finish(bucket)
         self._reset()
 
     def _reset(self) -> None:
         self._armed = False
         self._next_launch = 0
         for b in self.buckets:
-            b.pending, b.ready, b.work, b.flat = 0, False, None, None
+            b.pending, b.ready, b.work, b.wire = 0, False, None, None
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

@@ -90,13 +90,16 @@ class DeepSpeedModel:
     """Stands for the model until the engine exists (the optimizer's hyperparameters are needed to build it),
     then forwards calls to the engine; parameters and modes are the model's own. Under ZeRO-3 each call first
     checks (one tiny all-reduce) that every dp rank runs the same number of loop steps, and fails with an
-    explanation instead of a collective mismatch."""
+    explanation instead of a collective mismatch; `comm_device` is where that all-reduce's tensor lives (the GPU
+    under NCCL, the CPU under gloo)."""
 
-    def __init__(self, model: torch.nn.Module, dp_group=None, check_equal_loops: bool = False):
+    def __init__(self, model: torch.nn.Module, dp_group=None, check_equal_loops: bool = False,
+                 comm_device: torch.device | str = "cpu"):
         self.model = model
         self.engine = None
         self.dp_group = dp_group
         self.check_equal_loops = check_equal_loops
+        self.comm_device = comm_device
 
     def __getattr__(self, name: str):
         return getattr(self.__dict__["model"], name)
@@ -110,7 +113,7 @@ class DeepSpeedModel:
 
     def _check_equal_loops(self, batch: int, depth, backprop_depth) -> None:
         mine = loop_steps(depth, backprop_depth, batch)
-        both = torch.tensor([*mine, *(-v for v in mine)], dtype=torch.float64)
+        both = torch.tensor([*mine, *(-v for v in mine)], dtype=torch.float64, device=self.comm_device)
         torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=self.dp_group)
         high, low = (int(both[0]), int(both[1])), (int(-both[2]), int(-both[3]))
         if high != low:
@@ -202,7 +205,8 @@ class DeepSpeedRuntime(ParallelRuntime):
 
     def prepare_model(self, model: torch.nn.Module):
         self.model = model
-        self.proxy = DeepSpeedModel(model, self.layout.dp_group, check_equal_loops=self.zero_stage == 3)
+        self.proxy = DeepSpeedModel(model, self.layout.dp_group, check_equal_loops=self.zero_stage == 3,
+                                    comm_device=self._comm_device())
         return self.proxy
 
     def prepare_optimizer(self, combined):
@@ -232,5 +236,6 @@ class DeepSpeedRuntime(ParallelRuntime):
     def reduce_gradients(self, model=None) -> None:
         """Nothing: DeepSpeed reduced the gradients in its backward."""
 
-    def norm_sq_reduce(self):
+    def optimizer_parts(self):
+        """None: DeepSpeed partitions and steps the optimizer itself (see prepare_optimizer)."""
         return None

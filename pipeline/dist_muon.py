@@ -1,21 +1,24 @@
-"""Distributed Muon: every matrix is orthogonalised by one owner rank, whose update is then shared.
+"""Distributed Muon: every matrix is orthogonalised by one owner rank, which writes the new matrix in place.
 
 Muon's step on a matrix needs the whole matrix (Polar Express, NorMuon's row/column statistics, the shape factor of
 the learning rate), so its state cannot be split by elements. Instead each matrix is owned by one rank of the
 (dp x tp) grid, matrices balanced by size (largest first, each to the least-loaded owner; the same on every rank).
-For a matrix with owner (dp_o, tp_o), per step:
+With `dp_sharded` false (ZeRO stage 0) the owners are spread over tp only and every data-parallel slice computes
+every matrix. For a matrix with owner (dp_o, tp_o), per step:
 
   1. the tp ranks of data-parallel slice dp_o gather the full gradient on tp_o (split matrices; a replicated one is
      already whole there);
   2. tp_o advances the matrix's momentum and second moment and computes the update (`update_fn`, megaloop's
      per-matrix muon_update, passed in as a callable: pipeline never imports megaloop);
   3. tp_o scatters the update's shards (or broadcasts a replicated update) to the tp ranks of slice dp_o;
-  4. slice dp_o broadcasts, per tp position, all of its owned updates in one packed buffer over the dp group;
-  5. every rank applies its shard elementwise (`apply_fn`: cautious weight decay + learning rate times the shape
+  4. those ranks apply their shard in place (`apply_fn`: cautious weight decay + learning rate times the shape
      factor of the FULL matrix).
 
-Optimizer state lives only on owners, so per rank it is the total over (dp x tp) to within one matrix.
-The gradients must already be summed over dp (and over tp for sequence-parallel partial sums).
+Ranks of other data-parallel slices leave the matrix alone: the runtime's gradient buffer puts it in chunk dp_o
+(:meth:`DistributedMuon.dp_owner`), whose gradient slice dp_o alone has summed (reduce-scatter) and whose updated
+values reach every rank in the buffer's one all-gather. Optimizer state lives only on owners, so per rank it is the
+total over (dp x tp) to within one matrix. The gradients must already be summed over dp for the owned matrices (and
+over tp for sequence-parallel partial sums).
 
 Checkpoints: the owner of a matrix holds its whole state, so :meth:`DistributedMuon.sharded_state` hands out the
 full arrays keyed by parameter name, and :meth:`DistributedMuon.load_sharded_state` reads the matrices this rank
@@ -73,7 +76,8 @@ class DistributedMuon(torch.optim.Optimizer):
     the tp split (`shards`: name -> ShardSpec) is known."""
 
     def __init__(self, named_params: list[tuple[str, torch.Tensor]], layout, shards: dict[str, ShardSpec],
-                 fns: MuonFunctions, orth_dtype: torch.dtype = torch.bfloat16, **defaults):
+                 fns: MuonFunctions, orth_dtype: torch.dtype = torch.bfloat16, dp_sharded: bool = True,
+                 **defaults):
         super().__init__([p for _, p in named_params], defaults)
         self.names = [n for n, _ in named_params]
         self.layout = layout
@@ -82,13 +86,20 @@ class DistributedMuon(torch.optim.Optimizer):
         self.specs = [shards.get(n) if layout.tp > 1 else None for n in self.names]
         self.full_shapes = [full_shape(p, s) for (_, p), s in zip(named_params, self.specs)]
         sizes = [int(torch.Size(s).numel()) for s in self.full_shapes]
-        self.owners = assign_owners(sizes, layout.dp * layout.tp)
+        self.dp_sharded = dp_sharded
+        self.owners = assign_owners(sizes, (layout.dp if dp_sharded else 1) * layout.tp)
         self.owned_state: dict[int, dict] = {}
 
     def _owner(self, index: int) -> tuple[int, int]:
         """(dp_rank, tp_rank) of the owner of matrix `index`."""
         slot = self.owners[index]
+        if not self.dp_sharded:
+            return self.layout.dp_rank, slot
         return slot // self.layout.tp, slot % self.layout.tp
+
+    def dp_owner(self, index: int) -> int:
+        """The data-parallel rank whose slice updates matrix `index`."""
+        return self._owner(index)[0]
 
     def owned(self) -> list[int]:
         me = (self.layout.dp_rank, self.layout.tp_rank)
@@ -105,17 +116,12 @@ class DistributedMuon(torch.optim.Optimizer):
             raise ValueError("DistributedMuon takes one parameter group")
         hp = self.fns.hparams(momentum=group["momentum"], nesterov=group["nesterov"], beta2=group["beta2"],
                               ns_steps=group["ns_steps"], orth_dtype=self.orth_dtype)
-        params = group["params"]
-        my_dp = self.layout.dp_rank
-        local_updates: dict[int, torch.Tensor] = {}
-        for index, param in enumerate(params):
+        for index, param in enumerate(group["params"]):
             dp_o, tp_o = self._owner(index)
-            if dp_o == my_dp:
-                local_updates[index] = self._update_in_slice(index, param, tp_o, hp)
-        updates = self._share_over_dp(params, local_updates)
-        for index, param in enumerate(params):
-            lr = group["lr"] * self.fns.lr_scale(self.full_shapes[index])
-            self.fns.apply(param, updates[index], lr, group["weight_decay"])
+            if dp_o == self.layout.dp_rank:
+                update = self._update_in_slice(index, param, tp_o, hp)
+                lr = group["lr"] * self.fns.lr_scale(self.full_shapes[index])
+                self.fns.apply(param, update, lr, group["weight_decay"])
 
     def _grad(self, param: torch.Tensor) -> torch.Tensor:
         return param.grad if param.grad is not None else torch.zeros_like(param)
@@ -160,30 +166,6 @@ class DistributedMuon(torch.optim.Optimizer):
             return out
         out = update if tp_rank == tp_o else torch.empty(param.shape, dtype=state_dtype, device=param.device)
         dist.broadcast(out, src=src, group=tp_group)
-        return out
-
-    def _share_over_dp(self, params, local_updates: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """Step 4: one packed broadcast per data-parallel slice of the updates it owns."""
-        dp_group = self.layout.dp_group
-        if group_size(dp_group) == 1:
-            return local_updates
-        out: dict[int, torch.Tensor] = {}
-        my_dp = self.layout.dp_rank
-        for source in range(self.layout.dp):
-            indices = [i for i in range(len(params)) if self._owner(i)[0] == source]
-            if not indices:
-                continue
-            dtype = self._state_dtype(params[indices[0]])
-            if source == my_dp:
-                flat = torch.cat([local_updates[i].reshape(-1).to(dtype) for i in indices])
-            else:
-                flat = torch.empty(sum(params[i].numel() for i in indices), dtype=dtype, device=params[0].device)
-            dist.broadcast(flat, src=dist.get_global_rank(dp_group, source), group=dp_group)
-            offset = 0
-            for i in indices:
-                n = params[i].numel()
-                out[i] = flat[offset:offset + n].view(params[i].shape)
-                offset += n
         return out
 
     # ---- layout-free state for checkpoints ------------------------------------------------------------------

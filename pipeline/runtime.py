@@ -1,18 +1,17 @@
 """The multi-process runtime the trainer talks to (same methods as megaloop's SingleProcessRuntime).
 
-    runtime = ParallelRuntime(layout, tp_plan, muon_functions, zero_stage=1)
-    model = runtime.prepare_model(model)                 # tensor parallelism (plan) + data-parallel reducer
-    optimizer = runtime.prepare_optimizer(build_optimizer(model.named_parameters(), ...,
-                                          norm_sq_reduce=runtime.norm_sq_reduce()))
+    runtime = ParallelRuntime(layout, tp_plan, muon_functions, zero_stage=1, grad_reduce_dtype="fp32")
+    model = runtime.prepare_model(model)                 # tensor parallelism (plan) + gradient buffer and reducer
+    optimizer = build_optimizer(model.named_parameters(), ..., parts=runtime.optimizer_parts())
     ... loss.backward() per micro-batch ...
-    runtime.reduce_gradients(model)                      # dp sum (bucketed) + tp sum of sequence-parallel partials
-    optimizer.step(step)                                 # global clip, distributed Muon, ZeRO-1 AdamW
+    runtime.reduce_gradients(model)                      # dp reduce-scatter (ZeRO-1) or all-reduce + tp partials
+    optimizer.step(step)                                 # global clip, distributed Muon, ZeRO-1 AdamW, all-gather
     runtime.sum_over_dp(x) / mean_over_dp(x)             # logged metrics
 
-prepare_optimizer expects an optimizer shaped like megaloop's CombinedOptimizer (attributes muon, adamw,
-muon_names, adamw_names; it schedules, clips and skips) and swaps its inner Muon for :class:`DistributedMuon` (always
-under tensor parallelism, where a shard cannot be orthogonalised alone, and under ZeRO with dp > 1) and its AdamW
-for :class:`ZeroAdamW` (ZeRO stage >= 1 with dp > 1). The per-matrix Muon math comes in as `muon_functions`.
+Gradients live in a :class:`GradBuffer` (every .grad a view of one flat vector per dtype). prepare_model lays out a
+plain one (one chunk, all-reduced), so gradients can be reduced before any optimizer exists; the optimizer built
+with :meth:`ParallelRuntime.optimizer_parts` lays out the chunked one it updates (see pipeline/optimizer_parts.py).
+The per-matrix Muon math comes in as `muon_functions` (pipeline never imports megaloop).
 """
 from __future__ import annotations
 
@@ -20,20 +19,20 @@ import torch
 import torch.distributed as dist
 
 from pipeline.collectives import all_reduce_
-from pipeline.data_parallel import DEFAULT_BUCKET_MB, GradReducer
-from pipeline.dist_muon import DistributedMuon, MuonFunctions
-from pipeline.grad_norm import make_norm_sq_reduce
+from pipeline.data_parallel import DEFAULT_BUCKET_MB, BufferReducer
+from pipeline.dist_muon import MuonFunctions
+from pipeline.grad_buffer import GradBuffer, flat_all_reduce_
 from pipeline.layout import ParallelLayout, destroy_layout
+from pipeline.optimizer_parts import OptimizerParts
 from pipeline.parallel_lm import ParallelLM
-from pipeline.tensor_parallel import TensorParallelInfo, reduce_partial_grads
-from pipeline.zero import ZeroAdamW
+from pipeline.tensor_parallel import TensorParallelInfo
 
 
 class ParallelRuntime:
     """Tensor + data parallelism for the trainer; see the module docstring."""
 
     def __init__(self, layout: ParallelLayout, tp_plan, muon_functions: MuonFunctions | None = None,
-                 zero_stage: int = 1, bucket_mb: float = DEFAULT_BUCKET_MB):
+                 zero_stage: int = 1, bucket_mb: float = DEFAULT_BUCKET_MB, grad_reduce_dtype: str = "fp32"):
         if layout.pp > 1:
             raise NotImplementedError("pipeline parallelism (pp > 1) is a later step; use tp and dp for now")
         if zero_stage not in (0, 1):
@@ -44,9 +43,12 @@ class ParallelRuntime:
         self.muon_functions = muon_functions
         self.zero_stage = zero_stage
         self.bucket_mb = bucket_mb
+        self.grad_reduce_dtype = grad_reduce_dtype
         self.model: torch.nn.Module | None = None
         self.tp_info = TensorParallelInfo()
-        self.reducer: GradReducer | None = None
+        self.buffer: GradBuffer | None = None
+        self.reducer: BufferReducer | None = None
+        self._parts: OptimizerParts | None = None
 
     # ---- identity of this rank ------------------------------------------------------------------------------
     rank = property(lambda self: self.layout.rank)
@@ -58,7 +60,8 @@ class ParallelRuntime:
 
     # ---- model and gradients --------------------------------------------------------------------------------
     def prepare_model(self, model: torch.nn.Module):
-        """Split the model by the plan (tp > 1) and attach the data-parallel reducer; returns what to call."""
+        """Split the model by the plan (tp > 1), put its gradients in a plain (all-reduced) buffer and attach the
+        data-parallel reducer; returns what to call."""
         self.model = model
         wrapped = model
         if self.layout.tp > 1:
@@ -66,8 +69,17 @@ class ParallelRuntime:
             self.tp_info = wrapped.tp_info
         else:
             self.tp_info = TensorParallelInfo(replicated=[n for n, _ in model.named_parameters()])
-        self.reducer = GradReducer(list(model.parameters()), self.layout.dp_group, self.bucket_mb)
+        named = list(model.named_parameters())
+        self.use_buffer(GradBuffer(named[::-1]))  # backward order: early buckets complete early
         return wrapped
+
+    def use_buffer(self, buffer: GradBuffer) -> None:
+        """Reduce gradients through `buffer` from now on (reduce-scatter when it is chunked over dp)."""
+        if self.reducer is not None:
+            self.reducer.remove_hooks()
+        self.buffer = buffer
+        group = self.layout.dp_group if self.layout.dp > 1 else None
+        self.reducer = BufferReducer(buffer, group, self.bucket_mb, self.grad_reduce_dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
         """One micro-batch's backward (the DeepSpeed runtime routes it through its engine)."""
@@ -78,34 +90,26 @@ class ParallelRuntime:
         self.reducer.overlap_next_backward()
 
     def reduce_gradients(self, model=None) -> None:
-        """After the step's last backward: sum gradients over dp, and sequence-parallel partials over tp."""
+        """After the step's last backward: sum gradients over dp (this rank's chunk under ZeRO-1, everything
+        otherwise), then the sequence-parallel partial sums over tp of what this rank holds summed."""
         self.reducer.reduce()
-        reduce_partial_grads(self.model, self.tp_info, self.layout.tp_group)
-
-    def norm_sq_reduce(self):
-        """The clip's reduction of the squared gradient norm over tp and pp (None when nothing is split)."""
-        if self.layout.tp == 1 and self.layout.pp == 1:
-            return None
-        return make_norm_sq_reduce(self.model, list(self.tp_info.shards), self.layout)
+        flat_all_reduce_(self.buffer.owned_grad_views(self.tp_info.partial_grad), self.layout.tp_group)
 
     # ---- optimizer ------------------------------------------------------------------------------------------
+    def optimizer_parts(self) -> OptimizerParts:
+        """The distributed Muon/AdamW and gradient buffer to build the combined optimizer with (once)."""
+        if self.model is None:
+            raise RuntimeError("call runtime.prepare_model(model) before runtime.optimizer_parts()")
+        self._parts = OptimizerParts(self)
+        return self._parts
+
     def prepare_optimizer(self, optimizer):
-        """Swap the combined optimizer's inner Muon/AdamW for the distributed ones where needed; returns it."""
-        dp_sharded = self.zero_stage >= 1 and self.layout.dp > 1
-        muon = getattr(optimizer, "muon", None)
-        if muon is not None and (self.layout.tp > 1 or dp_sharded):
-            if self.muon_functions is None:
-                raise ValueError("distributed Muon needs the per-matrix functions (muon_functions)")
-            named = list(zip(optimizer.muon_names, muon.param_groups[0]["params"]))
-            hyper = {k: v for k, v in muon.param_groups[0].items() if k != "params"}
-            optimizer.muon = DistributedMuon(named, self.layout, self.tp_info.shards, self.muon_functions,
-                                             orth_dtype=getattr(muon, "orth_dtype", torch.bfloat16), **hyper)
-        adamw = getattr(optimizer, "adamw", None)
-        if adamw is not None and dp_sharded:
-            g = adamw.param_groups[0]
-            optimizer.adamw = ZeroAdamW(g["params"], self.layout.dp_group, lr=g["lr"], betas=g["betas"],
-                                        eps=g["eps"], weight_decay=g["weight_decay"], fused=g.get("fused"),
-                                        names=optimizer.adamw_names)
+        """Check that the optimizer was built with this runtime's parts (its gradients are reduced through their
+        buffer); returns it."""
+        parts = getattr(optimizer, "parts", None)
+        if parts is None or parts is not self._parts:
+            raise ValueError("the optimizer was not built with this runtime's distributed parts: build it with "
+                             "build_optimizer(..., parts=runtime.optimizer_parts())")
         return optimizer
 
     # ---- metrics and lifecycle ------------------------------------------------------------------------------

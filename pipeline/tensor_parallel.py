@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.collectives import all_gather_along, enter_column_region, exit_row_region, group_rank, group_size
+from pipeline.grad_buffer import flat_all_reduce_
 
 SPLIT_STYLES = ("vocab", "column", "column-paired", "row")
 HOOK_STYLES = ("enter", "gather-output")
@@ -200,9 +201,4 @@ def reduce_partial_grads(model: nn.Module, info: TensorParallelInfo, group) -> N
     for p in targets:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in targets])
-    torch.distributed.all_reduce(flat, group=group)
-    offset = 0
-    for p in targets:
-        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-        offset += p.numel()
+    flat_all_reduce_([p.grad for p in targets], group)

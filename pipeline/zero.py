@@ -1,70 +1,64 @@
-"""ZeRO-1 for the AdamW parameters: optimizer state sharded by elements over the data-parallel group.
+"""ZeRO-1 for the AdamW parameters: optimizer state for this rank's chunk of a :class:`GradBuffer` only.
 
-The AdamW parameters of this rank (tensor-parallel shards included) are laid end to end in one flat vector per dtype,
-padded to a multiple of dp; data-parallel rank r owns elements [r L, (r+1) L) with L = padded / dp. Per step each
-rank takes its slice of the (already dp-summed) flat gradient, runs torch's AdamW on its slice only (AdamW is
-elementwise, so a slice may cut through parameters), and the updated slices are all-gathered back into the
-parameters. exp_avg and exp_avg_sq therefore take 1/dp of the bytes on each rank.
+The AdamW parameters are elements of the buffer's flat parameter vectors (one per dtype), and their gradients the
+same elements of the flat gradient vectors. Data-parallel rank r updates only the AdamW elements of its chunk r:
+the contiguous runs of them there (at most a few per dtype: the chunk also holds whole Muon matrices) become torch
+AdamW "parameters" that are VIEWS of the flat vectors, so the step reads the reduced gradient and writes the new
+values in place, with nothing flattened or copied per step. The updated chunks reach the other ranks through the
+runtime's one all-gather of the buffer. exp_avg and exp_avg_sq therefore take about 1/dp of the bytes on each rank.
+With one chunk (ZeRO stage 0, or dp 1) this is AdamW over every AdamW element.
 
-Difference from torch's AdamW over the whole list: a parameter without a gradient is stepped with a zero gradient
-(its moments still decay) instead of being skipped; every parameter of the looped LM gets a gradient every step.
+Difference from torch's AdamW over the parameter list: a parameter without a gradient in a step is stepped with a
+zero gradient (its moments still decay) instead of being skipped; every parameter of the looped LM gets a gradient
+every step.
 
 Checkpoints see layout-free state (:meth:`ZeroAdamW.sharded_state`): per parameter, exp_avg and exp_avg_sq shaped like
-the parameter (this rank's tensor-parallel shard of it), assembled by one all-gather of the flat moments over dp, so
-a checkpoint saved at one dp size loads at any other (:meth:`ZeroAdamW.load_sharded_state` takes its slice back).
+the parameter (this rank's tensor-parallel shard of it), assembled by one all-gather of each chunk-shaped moment over
+dp, so a checkpoint saved at one dp size loads at any other (:meth:`ZeroAdamW.load_sharded_state` takes its runs).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.distributed as dist
 
-from pipeline.collectives import all_gather_along, group_size
+from pipeline.collectives import all_gather_along
+from pipeline.grad_buffer import FlatGroup, GradBuffer
 
 
-@dataclass
-class _FlatShard:
-    params: list[torch.Tensor]
-    names: list[str]
-    numel: int
-    shard_len: int
-    start: int
-    master: torch.nn.Parameter  # this rank's slice of the flat parameters
+def _runs(group: FlatGroup, rank: int, members: set[int]) -> list[tuple[int, int]]:
+    """Maximal [start, end) ranges of chunk `rank` covered by adjacent pieces of the `members` parameters."""
+    runs: list[list[int]] = []
+    for index, a, b in group.segments(rank):
+        if index not in members:
+            continue
+        if runs and runs[-1][1] == a:
+            runs[-1][1] = b
+        else:
+            runs.append([a, b])
+    return [(a, b) for a, b in runs]
 
 
 class ZeroAdamW(torch.optim.Optimizer):
-    """AdamW whose state is sharded over `dp_group`. param_groups[0] carries lr, betas, eps, weight_decay like
-    torch's AdamW, so a scheduler that rewrites group["lr"] drives it unchanged."""
+    """AdamW over the named parameters' elements in this rank's chunk of `buffer` (which must hold them);
+    `dp_group` is the group the chunks are spread over (None: one chunk). param_groups[0] carries lr, betas, eps,
+    weight_decay like torch's AdamW, so a scheduler that rewrites group["lr"] drives it unchanged."""
 
-    def __init__(self, params, dp_group, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01, fused: bool | None = None, names: list[str] | None = None):
-        params = list(params)
-        names = list(names) if names is not None else [f"param{i}" for i in range(len(params))]
-        named = [(n, p) for n, p in zip(names, params, strict=True) if p.requires_grad]
+    def __init__(self, named_params, buffer: GradBuffer, dp_group, lr: float = 1e-3, betas=(0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.01, fused: bool | None = None):
+        named = [(n, p) for n, p in named_params if p.requires_grad]
         super().__init__([p for _, p in named], dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
-        self.dp_group = dp_group
-        self.dp = group_size(dp_group)
-        self.dp_rank = 0 if dp_group is None else dist.get_rank(dp_group)
-        self.shards = [self._make_shard([(n, p) for n, p in named if p.dtype == dtype])
-                       for dtype in dict.fromkeys(p.dtype for _, p in named)]
+        self.buffer, self.dp_group = buffer, dp_group
+        self.names = {id(p): n for n, p in named}
+        self.masters: list[tuple[FlatGroup, int, int, torch.nn.Parameter]] = []
+        for group in buffer.groups:
+            members = {i for i, p in enumerate(group.params) if id(p) in self.names}
+            for a, b in _runs(group, buffer.rank, members):
+                master = torch.nn.Parameter(group.param_flat[a:b])  # shares the flat vector's storage
+                master.grad = group.grad_flat[a:b]
+                self.masters.append((group, a, b, master))
+        self.steps_taken = 0.0  # the same on every rank (steps are taken or skipped together)
         kwargs = {"fused": fused} if fused is not None else {}
-        self.inner = torch.optim.AdamW([s.master for s in self.shards], lr=lr, betas=tuple(betas), eps=eps,
-                                       weight_decay=weight_decay, **kwargs)
-
-    def _make_shard(self, named: list[tuple[str, torch.Tensor]]) -> _FlatShard:
-        params = [p for _, p in named]
-        numel = sum(p.numel() for p in params)
-        shard_len = -(-numel // self.dp)
-        start = self.dp_rank * shard_len
-        flat = self._flatten([p.detach() for p in params], shard_len * self.dp)
-        master = torch.nn.Parameter(flat[start:start + shard_len].clone())
-        return _FlatShard(params, [n for n, _ in named], numel, shard_len, start, master)
-
-    @staticmethod
-    def _flatten(tensors: list[torch.Tensor], padded: int) -> torch.Tensor:
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        return torch.nn.functional.pad(flat, (0, padded - flat.numel()))
+        self.inner = torch.optim.AdamW([m for *_, m in self.masters] or [torch.nn.Parameter(torch.zeros(1))],
+                                       lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **kwargs)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank (moments and step counters)."""
@@ -77,20 +71,19 @@ class ZeroAdamW(torch.optim.Optimizer):
         for inner_group in self.inner.param_groups:
             for key in ("lr", "betas", "eps", "weight_decay"):
                 inner_group[key] = group[key]
-        for shard in self.shards:
-            params = self._flatten([p.detach() for p in shard.params], shard.shard_len * self.dp)
-            shard.master.copy_(params[shard.start:shard.start + shard.shard_len])  # the parameters may have been loaded
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in shard.params]
-            flat_grad = self._flatten(grads, shard.shard_len * self.dp)
-            shard.master.grad = flat_grad[shard.start:shard.start + shard.shard_len].clone()
-        self.inner.step()
-        for shard in self.shards:
-            shard.master.grad = None
-            full = all_gather_along(shard.master.detach(), 0, self.dp_group)
-            offset = 0
-            for p in shard.params:
-                p.copy_(full[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+        if self.masters:
+            self.inner.step()
+        self.steps_taken += 1
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The gradients are views of the buffer: the runtime zeroes the buffer in place."""
+
+    def _flat_groups(self):
+        """(group, AdamW parameters of it with their offsets) for each dtype group holding AdamW parameters."""
+        for group in self.buffer.groups:
+            mine = [(i, p) for i, p in enumerate(group.params) if id(p) in self.names]
+            if mine:
+                yield group, mine
 
     # ---- layout-free state for checkpoints ------------------------------------------------------------------
     MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -98,37 +91,44 @@ class ZeroAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def sharded_state(self, prefix: str) -> tuple[list[tuple], dict[str, float]]:
         """(entries, steps): entries (f"{prefix}/{moment}/{name}", name, tensor shaped like the parameter, True)
-        from one all-gather of each flat moment over dp (collective: every dp rank calls it), and the step count of
-        every parameter that has state."""
-        entries, steps = [], {}
-        for shard in self.shards:
-            state = self.inner.state.get(shard.master)
-            if not state:
-                continue
+        from one all-gather of each chunk-shaped moment over dp (collective: every dp rank calls it), and the step
+        count of every parameter once a step was taken."""
+        entries: list[tuple] = []
+        if not self.steps_taken:
+            return entries, {}
+        for group, mine in self._flat_groups():
             for moment in self.MOMENTS:
-                full = all_gather_along(state[moment].detach(), 0, self.dp_group)
-                offset = 0
-                for name, p in zip(shard.names, shard.params):
-                    entries.append((f"{prefix}/{moment}/{name}", name, full[offset:offset + p.numel()].view(p.shape),
-                                    True))
-                    offset += p.numel()
-            steps.update({name: float(state["step"]) for name in shard.names})
-        return entries, steps
+                chunk = torch.zeros_like(group.chunk(group.param_flat, self.buffer.rank))
+                base = self.buffer.rank * group.chunk_len
+                for g, a, b, master in self.masters:
+                    if g is group:
+                        chunk[a - base:b - base] = self.inner.state[master][moment]
+                full = all_gather_along(chunk, 0, self.dp_group)
+                for i, p in mine:
+                    off = group.offsets[i]
+                    name = self.names[id(p)]
+                    entries.append((f"{prefix}/{moment}/{name}", name, full[off:off + p.numel()].view(p.shape), True))
+        return entries, {name: self.steps_taken for name in self.names.values()}
 
     @torch.no_grad()
     def load_sharded_state(self, read, prefix: str, steps: dict[str, float]) -> None:
-        """Take this rank's slice of every flat moment from per-parameter arrays: read(array, name, sharded=True)
+        """Take this rank's runs of every moment from per-parameter arrays: read(array, name, sharded=True)
         returns the tensor shaped like this rank's parameter, or None when the checkpoint has no such state."""
-        inner_state = {}
-        for index, shard in enumerate(self.shards):
-            if not all(name in steps for name in shard.names):
-                continue
-            moments = {}
+        if not all(name in steps for name in self.names.values()):
+            return
+        full = {}
+        for group, mine in self._flat_groups():
             for moment in self.MOMENTS:
-                tensors = [read(f"{prefix}/{moment}/{name}", name, True) for name in shard.names]
-                flat = self._flatten([t.to(shard.master.dtype) for t in tensors], shard.shard_len * self.dp)
-                moments[moment] = flat[shard.start:shard.start + shard.shard_len].clone()
-            inner_state[index] = {"step": torch.tensor(steps[shard.names[0]], dtype=torch.float32), **moments}
+                flat = torch.zeros_like(group.param_flat)
+                for i, p in mine:
+                    value = read(f"{prefix}/{moment}/{self.names[id(p)]}", self.names[id(p)], True)
+                    flat[group.offsets[i]:group.offsets[i] + p.numel()] = value.reshape(-1).to(flat.dtype)
+                full[id(group), moment] = flat
+        step = next(iter(steps[n] for n in self.names.values()))
+        inner_state = {index: {"step": torch.tensor(step, dtype=torch.float32),
+                               **{m: full[id(g), m][a:b].clone() for m in self.MOMENTS}}
+                       for index, (g, a, b, _) in enumerate(self.masters)}
         saved = self.inner.state_dict()
         saved["state"] = inner_state
         self.inner.load_state_dict(saved)
+        self.steps_taken = step

@@ -43,7 +43,20 @@ def clip_grads(
     and returns None). A non-finite norm leaves the gradients untouched (the caller skips the step).
     """
     grads = [p.grad for p in params if p.grad is not None]
-    norm_sq = grad_norm_sq(grads)
+    return clip_grad_tensors(grads, grads, max_norm, norm_sq_reduce)
+
+
+@torch.no_grad()
+def clip_grad_tensors(
+    counted: list[Tensor],
+    scaled: list[Tensor],
+    max_norm: float,
+    norm_sq_reduce: Callable[[Tensor], Tensor | None] | None = None,
+) -> float:
+    """:func:`clip_grads` on gradient tensors: the norm from the squares of ``counted`` (reduced by
+    ``norm_sq_reduce``), the clip applied to ``scaled``. A sharded optimizer counts each element once over the
+    ranks (its own chunk, replicated pieces on one rank) but scales everything it updates."""
+    norm_sq = grad_norm_sq(counted)
     if norm_sq_reduce is not None:
         reduced = norm_sq_reduce(norm_sq)
         norm_sq = norm_sq if reduced is None else reduced
@@ -51,6 +64,6 @@ def clip_grads(
     norm = math.sqrt(norm_sq_value) if math.isfinite(norm_sq_value) else norm_sq_value
     if max_norm > 0 and math.isfinite(norm):
         coef = max_norm / (norm + CLIP_EPS)
-        if coef < 1.0:
-            torch._foreach_mul_(grads, coef)
+        if coef < 1.0 and scaled:
+            torch._foreach_mul_(scaled, coef)
     return norm

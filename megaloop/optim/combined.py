@@ -6,18 +6,22 @@ Typical use (one training iteration)::
     loss.backward()
     record = opt.step(step)      # clip, skip if non-finite, else update with the schedules at `step`
     opt.zero_grad()
+
+Under a parallel layout the optimizer is built with the runtime's distributed ``parts`` (see :class:`OptimizerParts`):
+they make the inner Muon/AdamW, say which gradients the clip measures and scales, and bracket the update (e.g. one
+all-gather of the updated shards); the schedules, clipping, skipping and step records stay here.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
 import torch
 from torch import Tensor
 
-from .clip import clip_grads
+from .clip import clip_grad_tensors, clip_grads
 from .config import OptimConfig
 from .grouping import ParamGroups, split_param_groups
 from .muon import Muon
@@ -40,9 +44,30 @@ class StepRecord:
     muon_weight_decay: float
 
 
+class OptimizerParts(Protocol):
+    """What a parallel runtime gives :class:`CombinedOptimizer` to build and drive its distributed inner parts."""
+
+    def build(self, muon_named: list, adamw_named: list, muon_hyper: dict, adamw_hyper: dict) -> tuple:
+        """(muon, adamw) optimizers for the two groups of (name, parameter); None for an empty group."""
+
+    def grads_to_clip(self) -> tuple[list[Tensor], list[Tensor]]:
+        """(gradients whose squares make this rank's share of the norm, gradients the clip scales)."""
+
+    def norm_sq_reduce(self, local: Tensor) -> Tensor:
+        """The global squared norm from this rank's share."""
+
+    def begin_update(self) -> None: ...
+
+    def end_update(self) -> None: ...
+
+    def zero_grad(self) -> None: ...
+
+
 def _adamw_kwargs(params: list[Tensor]) -> dict[str, bool]:
-    """Fused AdamW when every parameter is a floating tensor on CPU or CUDA, else the foreach path."""
-    fusable = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    """Fused AdamW when every parameter is a contiguous floating tensor on CPU or CUDA, else the foreach path (the
+    fused kernel walks memory linearly: a transposed parameter given a contiguous gradient gets mismatched
+    elements)."""
+    fusable = all(p.is_floating_point() and p.is_contiguous() and p.device.type in ("cpu", "cuda") for p in params)
     return {"fused": True} if fusable else {"foreach": True}
 
 
@@ -51,7 +76,8 @@ class CombinedOptimizer:
 
     The schedules (trapezoid lr for both, Muon momentum warm-up, Muon weight-decay decay) are functions of the
     training iteration: :meth:`step` takes it explicitly, or uses its own counter, which advances on every call
-    (applied or skipped), as the reference's step counter does.
+    (applied or skipped), as the reference's step counter does. ``parts`` (a parallel runtime's) build the inner
+    optimizers instead, and the clip and update go through them.
     """
 
     def __init__(
@@ -60,6 +86,7 @@ class CombinedOptimizer:
         cfg: OptimConfig,
         total_steps: int,
         norm_sq_reduce: Callable[[Tensor], Tensor | None] | None = None,
+        parts: OptimizerParts | None = None,
     ):
         cfg.validate()
         check_schedule(total_steps, cfg.warmup_steps, cfg.cooldown_fraction)
@@ -69,37 +96,30 @@ class CombinedOptimizer:
         self.muon_names = [name for name, _ in groups.muon]
         self.adamw_names = [name for name, _ in groups.adamw]
         self.params = [p for _, p in groups.muon] + [p for _, p in groups.adamw]
-        self.muon = self._build_muon([p for _, p in groups.muon])
-        self.adamw = self._build_adamw([p for _, p in groups.adamw])
+        self.parts = parts
+        if parts is None:
+            self.muon = self._build_muon([p for _, p in groups.muon])
+            self.adamw = self._build_adamw([p for _, p in groups.adamw])
+        else:
+            self.muon, self.adamw = parts.build(list(groups.muon), list(groups.adamw), self._muon_hyper(),
+                                                self._adamw_hyper())
         self.iteration = 0
         self.num_skipped = 0
 
-    def _build_muon(self, params: list[Tensor]) -> Muon | None:
-        if not params:
-            return None
+    def _muon_hyper(self) -> dict[str, Any]:
         cfg = self.cfg
-        return Muon(
-            params,
-            lr=cfg.matrix_lr,
-            momentum=cfg.muon_momentum[0],
-            weight_decay=cfg.muon_weight_decay,
-            beta2=cfg.normuon_beta2,
-            nesterov=cfg.nesterov,
-            ns_steps=cfg.ns_steps,
-        )
+        return dict(lr=cfg.matrix_lr, momentum=cfg.muon_momentum[0], weight_decay=cfg.muon_weight_decay,
+                    beta2=cfg.normuon_beta2, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps)
+
+    def _adamw_hyper(self) -> dict[str, Any]:
+        cfg = self.cfg
+        return dict(lr=cfg.adam_lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.adam_weight_decay)
+
+    def _build_muon(self, params: list[Tensor]) -> Muon | None:
+        return Muon(params, **self._muon_hyper()) if params else None
 
     def _build_adamw(self, params: list[Tensor]) -> torch.optim.AdamW | None:
-        if not params:
-            return None
-        cfg = self.cfg
-        return torch.optim.AdamW(
-            params,
-            lr=cfg.adam_lr,
-            betas=tuple(cfg.betas),
-            eps=cfg.eps,
-            weight_decay=cfg.adam_weight_decay,
-            **_adamw_kwargs(params),
-        )
+        return torch.optim.AdamW(params, **self._adamw_hyper(), **_adamw_kwargs(params)) if params else None
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -129,15 +149,22 @@ class CombinedOptimizer:
         """
         step = self.iteration if step is None else step
         values = self.schedule_at(step)
-        grad_norm = clip_grads(self.params, self.cfg.grad_clip, self.norm_sq_reduce)
+        if self.parts is None:
+            grad_norm = clip_grads(self.params, self.cfg.grad_clip, self.norm_sq_reduce)
+        else:
+            grad_norm = clip_grad_tensors(*self.parts.grads_to_clip(), self.cfg.grad_clip, self.parts.norm_sq_reduce)
         skipped = not math.isfinite(grad_norm)
         if skipped:
             self.num_skipped += 1
             self.zero_grad(set_to_none=True)
         else:
             self._apply_schedule(values)
+            if self.parts is not None:
+                self.parts.begin_update()
             for opt in self.optimizers:
                 opt.step()
+            if self.parts is not None:
+                self.parts.end_update()
         self.iteration = step + 1
         return StepRecord(
             step=step,
@@ -151,7 +178,11 @@ class CombinedOptimizer:
         )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients of every managed parameter."""
+        """Clear the gradients of every managed parameter (with ``parts``: zeroed in place in their buffer,
+        whatever ``set_to_none`` says, since the .grad tensors are views that must stay attached)."""
+        if self.parts is not None:
+            self.parts.zero_grad()
+            return
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=set_to_none)
 
@@ -280,14 +311,16 @@ def build_optimizer(
     total_steps: int,
     norm_sq_reduce: Callable[[Tensor], Tensor | None] | None = None,
     verbose: bool = False,
+    parts: OptimizerParts | None = None,
 ) -> CombinedOptimizer:
     """Validate ``cfg``, split the parameters by name (see grouping.py) and build the combined optimizer.
 
     ``total_steps`` (the run's length in optimizer steps) sets the cool-down and the weight-decay decay;
-    ``norm_sq_reduce`` is passed to :func:`clip_grads`. ``verbose`` prints the one-line group summary.
+    ``norm_sq_reduce`` is passed to :func:`clip_grads`. ``verbose`` prints the one-line group summary. ``parts``:
+    a parallel runtime's distributed inner optimizers (``runtime.optimizer_parts()``), None in one process.
     """
     cfg.validate()
     groups = split_param_groups(named_params, optimizer=cfg.name)
     if verbose:
         print(groups.summary())
-    return CombinedOptimizer(groups, cfg, total_steps, norm_sq_reduce=norm_sq_reduce)
+    return CombinedOptimizer(groups, cfg, total_steps, norm_sq_reduce=norm_sq_reduce, parts=parts)

@@ -110,4 +110,5 @@ def make_runtime(cfg, device: torch.device):
 
     functions = MuonFunctions(init_state=muon.init_muon_state, hparams=muon.MuonHParams, update=muon.muon_update,
                               apply=muon.apply_muon_update, lr_scale=muon.muon_lr_scale)
-    return ParallelRuntime(layout, tensor_parallel_plan(m.mlp), functions, zero_stage=p.zero_stage)
+    return ParallelRuntime(layout, tensor_parallel_plan(m.mlp), functions, zero_stage=p.zero_stage,
+                           grad_reduce_dtype=p.grad_reduce_dtype)

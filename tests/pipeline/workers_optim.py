@@ -1,6 +1,8 @@
-"""Worker of the optimizer-sharding test: megaloop's combined optimizer (Muon + AdamW, clipping, schedules) made
-distributed by the runtime (distributed Muon, ZeRO-1 AdamW) and stepped on synthetic full gradients (each rank
-takes its tensor-parallel shard). Saves the full parameters, grad norms and per-rank state bytes from rank 0."""
+"""Worker of the optimizer-sharding test: megaloop's combined optimizer (Muon + AdamW, clipping, schedules) built
+with the runtime's distributed parts (distributed Muon, ZeRO-1 AdamW over the gradient buffer's chunks) and stepped
+on synthetic full gradients in float64 (each rank takes its tensor-parallel shard; every dp rank holds the already
+summed gradient, so no reduction runs). Saves the full parameters, grad norms, per-rank state bytes and the buffer's
+chunking from rank 0."""
 from __future__ import annotations
 
 import torch
@@ -14,42 +16,35 @@ from tests.pipeline.models import (case_config, dims, make_model, muon_functions
                                    synthetic_grads)
 
 STEPS = 3
-# Polar Express in fp32: in bf16 a 1e-6 change of the gradient (the norm of a split tensor rounds differently, so
-# the clip coefficient does) flips roundings that the iteration amplifies to ~1e-2 of some update entries.
-ORTH_DTYPE = torch.float32
+ORTH_DTYPE = torch.float64  # the whole step in float64: any layout must equal one process to rounding
 
 
-def clip_for(tp: int) -> float:
-    """Clipping that bites without tensor parallelism (where the norm is bitwise the single-process one); a clip
-    that never bites under tp: there the fp32 norm of a split tensor rounds differently (~1e-6), and Muon's
-    cautious weight decay, a step function of sign(update * param), turns that into 1e-3 errors of a few entries.
-    The norm itself is compared in both cases."""
-    return 1.0 if tp == 1 else 1e6
+def double_model(case: str) -> torch.nn.Module:
+    return make_model(case).double()
 
 
 def run_layout(case: str, tp: int):
     cfg = case_config(case)
     layout = init_layout(tp=tp, model=dims(cfg))
     runtime = ParallelRuntime(layout, plan_for(cfg), muon_functions(), zero_stage=1)
-    full_model = make_model(case)
-    model = make_model(case)
+    full_model = double_model(case)
+    model = double_model(case)
     runtime.prepare_model(model)
-    opt = build_optimizer(model.named_parameters(), optim_config(grad_clip=clip_for(tp)), STEPS,
-                          norm_sq_reduce=runtime.norm_sq_reduce())
+    opt = build_optimizer(model.named_parameters(), optim_config(), STEPS, parts=runtime.optimizer_parts())
     opt.muon.orth_dtype = ORTH_DTYPE
-    opt = runtime.prepare_optimizer(opt)
     norms = []
     for step in range(STEPS):
         grads = synthetic_grads(full_model, step)
         for name, p in model.named_parameters():
             spec = runtime.tp_info.shards.get(name)
-            p.grad = grads[name] if spec is None else shard_tensor(grads[name], spec, layout.tp_rank)
+            p.grad.copy_(grads[name] if spec is None else shard_tensor(grads[name], spec, layout.tp_rank))
         norms.append(opt.step(step).grad_norm)
         opt.zero_grad()
     params = {n: gather_full(p.detach(), runtime.tp_info.shards.get(n), layout.tp_group)
               for n, p in model.named_parameters()}
-    mine = {"muon": opt.muon.state_bytes(), "adamw": opt.adamw.state_bytes() if hasattr(opt.adamw, "state_bytes")
-            else None, "muon_type": type(opt.muon).__name__, "adamw_type": type(opt.adamw).__name__}
+    chunking = [(g.chunk_len, g.dp, sum(p.numel() for p in g.params)) for g in runtime.buffer.groups]
+    mine = {"muon": opt.muon.state_bytes(), "adamw": opt.adamw.state_bytes(), "muon_type": type(opt.muon).__name__,
+            "adamw_type": type(opt.adamw).__name__, "chunking": chunking}
     per_rank = [None] * layout.world_size
     dist.all_gather_object(per_rank, mine)
     return {"params": params, "norms": norms, "bytes": per_rank, "dp": layout.dp, "tp": layout.tp}
