@@ -1,9 +1,11 @@
 """Ragged vs masked loop on the CPU: tokens/s of forward+backward of one micro-batch with per-sequence depths
 (poisson-truncated-full at mu_rec 8, truncated backprop k_i = min(T_i, mu_bwd)), both loops timed side by side in
-one run (alternating, same depths and weights); prints the masked loop's executed/useful core passes beside the
-speed ratio.
+one run (alternating, same depths and weights; each micro-batch timed `repeats` times per loop, the fastest kept,
+so that other load on the machine counts less); prints the masked loop's executed/useful core passes beside the
+speed ratio. One thread by default: on a shared machine, idle-spinning thread pools distort the ratio.
 
     python benchmarks/ragged_loop.py [--configs parcae-tiny parcae-140m] [--steps 4] [--batch 8 4] [--seq 128 64]
+        [--repeats 2] [--threads 1]
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ def fwd_bwd(model, ids, depths, k) -> tuple[float, dict]:
     return time.perf_counter() - t0, out.telemetry
 
 
-def bench(config: str, batch: int, seq: int, steps: int, mu_rec: int = 8) -> dict:
+def bench(config: str, batch: int, seq: int, steps: int, repeats: int = 2, mu_rec: int = 8) -> dict:
     import numpy as np
     import torch
 
@@ -54,8 +56,9 @@ def bench(config: str, batch: int, seq: int, steps: int, mu_rec: int = 8) -> dic
         ids = torch.randint(0, cfg.model.vocab_size, (batch, seq), generator=g)
         for ragged in ((True, False) if step % 2 == 0 else (False, True)):  # alternate who goes first
             model.ragged_loop = ragged
-            dt, tel = fwd_bwd(model, ids, depth.T.numpy(), depth.k.numpy())
-            times[ragged] += dt
+            runs = [fwd_bwd(model, ids, depth.T.numpy(), depth.k.numpy()) for _ in range(repeats)]
+            times[ragged] += min(dt for dt, _ in runs)
+            tel = runs[0][1]
             rows[ragged] += tel["core_rows"]
         useful += int(depth.T.sum())
     tokens = steps * batch * seq
@@ -69,9 +72,14 @@ def main() -> None:
     ap.add_argument("--batch", nargs="+", type=int, default=[8, 4], help="micro-batch per config")
     ap.add_argument("--seq", nargs="+", type=int, default=[128, 64], help="sequence length per config")
     ap.add_argument("--steps", type=int, default=4, help="micro-batches per loop (each with fresh depths)")
+    ap.add_argument("--repeats", type=int, default=2, help="timings per micro-batch and loop (the fastest is kept)")
+    ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(a.threads)
     for i, config in enumerate(a.configs):
-        r = bench(config, a.batch[min(i, len(a.batch) - 1)], a.seq[min(i, len(a.seq) - 1)], a.steps)
+        r = bench(config, a.batch[min(i, len(a.batch) - 1)], a.seq[min(i, len(a.seq) - 1)], a.steps, a.repeats)
         print(f"{r['config']:<12} batch {r['batch']} seq {r['seq']} mu_rec 8: core passes useful {r['useful']}, "
               f"ragged {r['ragged_rows']} ({r['ragged_rows'] / r['useful']:.2f}x), masked {r['masked_rows']} "
               f"(executed/useful {r['masked_rows'] / r['useful']:.2f}x) | tokens/s ragged {r['ragged_tps']:,.0f} "
