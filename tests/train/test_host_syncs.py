@@ -8,8 +8,8 @@ one process and under dp2 with depth balancing (micro-batches of different sizes
 
 The collectives of a dp2 step (from the start of train_step to the end of its statistics reduction) are counted by
 wrapping torch.distributed's functions and attributed by the caller: exactly one is the packed statistics reduction
-(runtime.sum_stats); every other one comes from the gradient reduction or the optimizer (pipeline.data_parallel,
-zero, dist_muon, grad_norm, collectives).
+(runtime.sum_stats); every other one is issued from train_step's backward, gradient reduction or optimizer calls
+(whatever the gradient reducer and the distributed optimizer need).
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ from tests.pipeline.spawn import spawn
 from tests.train.conftest import TINY, fast_overrides
 
 SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "item"}
-GRADIENT_MODULES = ("pipeline/data_parallel.py", "pipeline/zero.py", "pipeline/dist_muon.py", "pipeline/grad_norm.py",
-                    "pipeline/collectives.py", "pipeline/tensor_parallel.py")
+# the lines of megaloop/train/step.py from which gradient and optimizer traffic may start
+GRADIENT_CALLS = ("runtime.backward(", "runtime.reduce_gradients(", "optimizer.step(", "optimizer.zero_grad(")
 COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "reduce_scatter_tensor", "reduce_scatter", "reduce_scatter_single",
                "all_gather_into_tensor", "all_gather", "all_gather_single", "all_gather_coalesced", "all_gather_object",
                "broadcast", "broadcast_object_list", "barrier", "monitored_barrier", "reduce", "send", "recv", "isend",
@@ -57,6 +57,16 @@ def overrides(shards, out_dir, dp: int) -> list[str]:
         "data.micro_batch_size=2", "train.val_every=1000", f"parallel.dp={dp}", "train.precision=fp64"]
 
 
+def _origin(name: str, stack) -> str:
+    """"stats" (runtime.sum_stats), "gradient" (a gradient or optimizer call of train_step) or "other: ..."."""
+    if any(frame.name == "sum_stats" for frame in stack):
+        return "stats"
+    step_lines = [frame.line or "" for frame in stack if frame.filename.endswith("megaloop/train/step.py")]
+    if step_lines and any(call in step_lines[-1] for call in GRADIENT_CALLS):
+        return "gradient"
+    return f"other: {name}\n" + "".join(traceback.format_list(stack))
+
+
 def traced_train(cfg, runtime=None) -> dict:
     """Run the trainer with the loop guard counting host syncs and the collectives of each step attributed."""
     counter = SyncCounter()
@@ -77,12 +87,15 @@ def traced_train(cfg, runtime=None) -> dict:
     def wrap(name, fn):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            if active["on"]:
-                stack = "".join(traceback.format_stack(limit=25))
-                origin = ("stats" if "in sum_stats" in stack else
-                          "gradient" if any(m in stack for m in GRADIENT_MODULES) else f"other: {name}\n{stack}")
-                calls.append(origin)
-            return fn(*args, **kwargs)
+            outermost = active["on"] and not active.get("inside")
+            if outermost:  # a collective that torch implements with another one counts once
+                calls.append(_origin(name, traceback.extract_stack()))
+                active["inside"] = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if outermost:
+                    active["inside"] = False
         return wrapper
 
     dist = torch.distributed
