@@ -133,6 +133,7 @@ class ActivationTerms:
     kept_laps: int
     logits: int  # fp32 logits and the saved (log-)softmax
     held_logits: int  # the previous micro-batch's logits, held by the trainer until the next forward returns
+    #                   (so live at the end of a forward, before the backward's transients)
     weight_copies: int  # bf16 autocast copies of the matmul weights used outside recomputed regions
     loss_grad: int  # the cross-entropy's gradients, live at the start of backward
     recompute: int  # one block (block) or one lap (lap) recomputed during backward (without weight copies: the
@@ -141,11 +142,11 @@ class ActivationTerms:
 
     @property
     def stored(self) -> int:
-        return self.once + self.prelude_coda + self.laps + self.logits + self.held_logits + self.weight_copies
+        return self.once + self.prelude_coda + self.laps + self.logits + self.weight_copies
 
     @property
     def transient(self) -> int:
-        return max(self.loss_grad, self.recompute + self.working)
+        return max(self.loss_grad, self.recompute + self.working, self.held_logits)
 
     @property
     def peak(self) -> int:

@@ -54,16 +54,18 @@ class MicroBatchPlan:
             MemoryTerm("activations: once per micro-batch", a.once, "ids, value embeddings, norms, term of e, "
                        "head input"),
             MemoryTerm("activations: logits + softmax", a.logits, "fp32 [b, s, V/tp] and the saved softmax"),
-            MemoryTerm("activations: previous logits", a.held_logits, "the trainer holds the last micro-batch's "
-                       "output until the next forward returns"),
             MemoryTerm("activations: bf16 weight copies", a.weight_copies),
-            MemoryTerm("activations: backward transient", a.transient,
-                       "recompute + block gradients" if a.recompute + a.working > a.loss_grad
-                       else "cross-entropy gradients"),
+            MemoryTerm("activations: largest transient", a.transient, _transient_note(a)),
             MemoryTerm("optimizer step working memory", s.step_working, "after backward; counted when larger "
                        "than the activations"),
         ]
         return rows
+
+
+def _transient_note(a: ActivationTerms) -> str:
+    options = {"cross-entropy gradients": a.loss_grad, "recomputation + a block's gradients": a.recompute + a.working,
+               "the previous micro-batch's logits, during the forward": a.held_logits}
+    return max(options, key=options.get)
 
 
 @dataclass(frozen=True)

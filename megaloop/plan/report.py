@@ -6,7 +6,8 @@ from megaloop.plan.planner import MicroBatchPlan, Plan
 
 
 def gib(n: int) -> str:
-    return f"{n / GIB:8.2f} GiB"
+    """Bytes in GiB, or in MiB below 1 GiB, 12 characters wide."""
+    return f"{n / GIB:8.2f} GiB" if n >= GIB else f"{n / 2**20:8.1f} MiB"
 
 
 def plan_dict(plan: Plan, world: int, nodes: int) -> dict:
