@@ -119,7 +119,7 @@ def init_parameter(cfg, name: str, shape: Iterable[int], seed: int = 0, dtype: t
     g = torch.Generator().manual_seed(name_seed(seed, name))
     with single_thread():
         value = _round(fn(shape, cfg.std, g), dtype)
-    return value.to(device)
+    return value.contiguous().to(device)  # LAPACK's Q is column-major: give the row-major layout of an eager build
 
 
 def _select(model: nn.Module, names: Iterable[str] | None) -> list[tuple[str, nn.Parameter]]:

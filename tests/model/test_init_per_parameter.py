@@ -70,6 +70,7 @@ def test_build_model_equals_materialize_on_meta_and_reset_parameters():
     reset.reset_parameters(5)
     for (name, a), b, c in zip(built.state_dict().items(), meta.state_dict().values(), reset.state_dict().values()):
         assert torch.equal(a, b) and torch.equal(a, c), name
+        assert a.is_contiguous() and b.is_contiguous(), f"{name}: optimizers and flat buffers expect row-major"
 
 
 def test_reference_statistics_in_fp64():
