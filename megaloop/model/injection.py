@@ -103,7 +103,7 @@ class ConcatInjection(nn.Module):
 
     def rho_tensor(self) -> torch.Tensor:
         """rho(W_1) as a 0-dim CPU tensor; computed at most once per weight version (once per optimizer step)."""
-        return torch.tensor(self.spectral_radius(), dtype=torch.float64)
+        return torch.tensor(self.spectral_radius(), dtype=upcast(self.W.weight.detach()[:0]).dtype)
 
     @torch.no_grad()
     def spectral_radius(self) -> float:
