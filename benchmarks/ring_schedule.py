@@ -1,0 +1,145 @@
+"""Ring pipeline schedule vs interleaved 1F1B: idle fraction, activation bounds and deadlock checks over a grid.
+
+For each pp x m (micro-batches) x mu_rec, every micro-batch's lap count is the deepest of its sequences' depths
+from megaloop.depth's sampler (k = min(laps, ceil(mu_rec / 2)) laps with autograd); the ring schedule for one
+optimizer step is generated, then simulated (which fails on a deadlock, a mismatched send/recv or a broken
+activation bound). Printed beside its idle fraction:
+
+  target   interleaved 1F1B's (p - 1) / (v m), with v = the full laps (forward + backward) that carry the same work
+           as the micro-batches' laps: v = sum_j (n_j f_nograd + k_j (f + b)) / (m (f + b)) (= laps when every lap
+           keeps activations). With v = the mean lap count instead ("v/laps" column) no schedule can reach it once
+           laps without autograd exist: they cost f, not f + b, while every schedule keeps the (p - 1)(f + b) bubble.
+  best     the idle fraction of a schedule at the lower bound (generate.lower_bound); "infeasible" marks rows
+           whose lower bound is already above the target (m < pp, or one micro-batch's chain longer than the rest)
+  1F1B-i   simulated interleaved 1F1B with v = round(mean laps) chunks, all with autograd (m a multiple of pp),
+           and its peak stored activation units on rank 0 beside the ring's
+
+Usage (from the repository root):
+
+    python benchmarks/ring_schedule.py                  # the grid pp {2,4,8} x m {4,8,16} x mu_rec {4,8,16}
+    python benchmarks/ring_schedule.py --in-flight 3    # bound: 3 * pp micro-batches in flight
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megaloop.depth import SAMPLERS, make_sampler  # noqa: E402  (after the path set-up)
+from pipeline.ring import CostModel, MicroBatch, interleaved_1f1b, ring_schedule, simulate, uniform_specs  # noqa: E402
+from pipeline.ring.gantt import gantt_chart  # noqa: E402
+from pipeline.ring.generate import lower_bound  # noqa: E402
+
+FIGURE = Path(__file__).resolve().parent / "figures" / "ring_schedule.png"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pp", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--m", type=int, nargs="+", default=[4, 8, 16], help="micro-batches per step")
+    parser.add_argument("--mu-rec", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--sampler", default="poisson-truncated-full", choices=sorted(SAMPLERS))
+    parser.add_argument("--sequences", type=int, default=8, help="sequences per micro-batch")
+    parser.add_argument("--in-flight", type=int, default=2, help="bound: this many times pp micro-batches in flight")
+    parser.add_argument("--restarts", type=int, default=8, help="seeded extra plans while above the lower bound")
+    parser.add_argument("--ragged", action="store_true", help="lap costs scaled by the active rows (ragged loop)")
+    parser.add_argument("--latency", type=float, default=0.0, help="p2p latency, in forward lap segments")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gantt", type=Path, default=FIGURE, help="PNG of the ring schedule at --gantt-config")
+    parser.add_argument("--gantt-config", type=int, nargs=3, default=[4, 8, 8], metavar=("PP", "M", "MU_REC"))
+    return parser.parse_args(argv)
+
+
+def sampled_specs(args, m: int, mu_rec: int) -> list[MicroBatch]:
+    """Per micro-batch: laps = its deepest sequence, k = min(laps, ceil(mu_rec / 2)); with --ragged the active
+    fraction of each lap (sequences aligned at their end, so lap l runs those with depth >= laps - l)."""
+    sampler = make_sampler(args.sampler, mu_rec, None, args.seed)
+    specs = []
+    for j in range(m):
+        depths = sampler.sample(0, np.arange(j * args.sequences, (j + 1) * args.sequences)).T.numpy()
+        laps = int(depths.max())
+        active = tuple(float((depths >= laps - lap).mean()) for lap in range(laps)) if args.ragged else ()
+        specs.append(MicroBatch(laps, min(laps, math.ceil(mu_rec / 2)), active))
+    return specs
+
+
+def equal_work_laps(specs: list[MicroBatch], costs: CostModel) -> float:
+    """v: full laps (f + b each) with the same per-rank work as the micro-batches' laps, averaged over them."""
+    work = 0.0
+    for spec in specs:
+        for lap in range(spec.laps):
+            unit = costs.forward + costs.backward if lap >= spec.first_grad_lap else costs.nograd_forward
+            work += unit * spec.active_fraction(lap)
+    return work / (len(specs) * (costs.forward + costs.backward))
+
+
+def one_config(args, pp: int, m: int, mu_rec: int, costs: CostModel) -> dict:
+    specs = sampled_specs(args, m, mu_rec)
+    bound = args.in_flight * pp
+    started = time.perf_counter()
+    schedule = ring_schedule(specs, pp, bound, 2 * bound, costs, restarts=args.restarts)
+    seconds = time.perf_counter() - started
+    result = simulate(schedule, specs, costs, max_in_flight=bound, max_open=2 * bound)
+    v = equal_work_laps(specs, costs)
+    busy = sum(result.busy)
+    best = 1.0 - busy / (pp * lower_bound(specs, pp, costs))
+    row = dict(pp=pp, m=m, mu=mu_rec, laps=float(np.mean([s.laps for s in specs])), v=v, result=result,
+               target=(pp - 1) / (v * m), best=best, bound=bound, seconds=seconds, specs=specs)
+    row["v_laps"] = (pp - 1) / (row["laps"] * m)
+    if m % pp == 0:
+        chunks = max(1, round(row["laps"]))
+        row["interleaved"] = simulate(interleaved_1f1b(pp, m, chunks), uniform_specs(m, chunks), costs)
+    return row
+
+
+def verdict(row: dict) -> str:
+    if row["result"].idle_fraction <= row["target"] + 1e-12:
+        return "ok"
+    return "infeasible" if row["best"] > row["target"] + 1e-12 else "over"
+
+
+def print_row(row: dict) -> None:
+    result, inter = row["result"], row.get("interleaved")
+    inter_text = f"{inter.idle_fraction:7.4f} {inter.peak_stored[0]:5d}" if inter else f"{'-':>7} {'-':>5}"
+    print(f"{row['pp']:3d} {row['m']:3d} {row['mu']:4d} {row['laps']:6.2f} {row['v']:6.2f} "
+          f"{result.idle_fraction:7.4f} {row['target']:7.4f} {row['best']:7.4f} {verdict(row):>10} "
+          f"{row['v_laps']:7.4f} {inter_text} {max(result.peak_stored):5d} "
+          f"{max(result.peak_in_flight):3d}/{row['bound']:<3d} {result.peak_open:3d} {row['seconds']:6.2f}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    costs = CostModel(forward=1.0, backward=2.0, nograd_forward=1.0, latency=args.latency)
+    print(f"costs: forward {costs.forward}, backward {costs.backward}, no-autograd forward {costs.nograd_forward}, "
+          f"latency {costs.latency}; bound {args.in_flight} x pp micro-batches in flight, 2 x that open; "
+          f"{args.sequences} sequences per micro-batch, sampler {args.sampler}{', ragged' if args.ragged else ''}")
+    print(" pp   m   mu  laps      v    idle  target    best    verdict  v/laps 1F1B-i units units  fly   open  gen_s")
+    rows = []
+    for pp in args.pp:
+        for m in args.m:
+            for mu_rec in args.mu_rec:
+                rows.append(one_config(args, pp, m, mu_rec, costs))
+                print_row(rows[-1])
+    counts = {name: sum(verdict(r) == name for r in rows) for name in ("ok", "infeasible", "over")}
+    print(f"{len(rows)} schedules simulated: all deadlock-free, sends matching recvs, within their activation bounds; "
+          f"idle <= target: {counts['ok']}, target below any schedule's lower bound: {counts['infeasible']}, "
+          f"above target: {counts['over']}")
+    pp, m, mu_rec = args.gantt_config
+    row = next((r for r in rows if (r["pp"], r["m"], r["mu"]) == (pp, m, mu_rec)), None) or one_config(
+        args, pp, m, mu_rec, costs)
+    args.gantt.parent.mkdir(parents=True, exist_ok=True)
+    title = (f"ring schedule, pp={pp}, m={m}, mu_rec={mu_rec}: idle {100 * row['result'].idle_fraction:.2f}% "
+             f"(interleaved 1F1B bound {100 * row['target']:.2f}%)")
+    path = gantt_chart(row["result"], args.gantt, title)
+    print(f"Gantt chart: {path} ({path.stat().st_size // 1024} KB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
