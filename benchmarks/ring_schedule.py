@@ -12,12 +12,16 @@ activation bound). Printed beside its idle fraction:
   best     the idle fraction of a schedule at the lower bound (generate.lower_bound); "infeasible" marks rows
            whose lower bound is already above the target (m < pp, or one micro-batch's chain longer than the rest)
   1F1B-i   simulated interleaved 1F1B with v = round(mean laps) chunks, all with autograd (m a multiple of pp),
-           and its peak stored activation units on rank 0 beside the ring's
+           and its peak stored activation units on rank 0 beside the ring's (a unit: one lap segment's, the
+           embedding's or the loss's saved activations)
+
+The default bound, 3 x pp micro-batches in flight (6 x pp open), keeps the ring's peak stored units near
+interleaved 1F1B's; with --in-flight 2 the ring stores less and a few rows end a little above the target.
 
 Usage (from the repository root):
 
     python benchmarks/ring_schedule.py                  # the grid pp {2,4,8} x m {4,8,16} x mu_rec {4,8,16}
-    python benchmarks/ring_schedule.py --in-flight 3    # bound: 3 * pp micro-batches in flight
+    python benchmarks/ring_schedule.py --in-flight 2    # bound: 2 * pp micro-batches in flight
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megaloop.depth import SAMPLERS, make_sampler  # noqa: E402  (after the path set-up)
 from pipeline.ring import CostModel, MicroBatch, interleaved_1f1b, ring_schedule, simulate, uniform_specs  # noqa: E402
 from pipeline.ring.gantt import gantt_chart  # noqa: E402
-from pipeline.ring.generate import lower_bound  # noqa: E402
+from pipeline.ring import lower_bound  # noqa: E402
 
 FIGURE = Path(__file__).resolve().parent / "figures" / "ring_schedule.png"
 
@@ -46,13 +50,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--mu-rec", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--sampler", default="poisson-truncated-full", choices=sorted(SAMPLERS))
     parser.add_argument("--sequences", type=int, default=8, help="sequences per micro-batch")
-    parser.add_argument("--in-flight", type=int, default=2, help="bound: this many times pp micro-batches in flight")
+    parser.add_argument("--in-flight", type=int, default=3, help="bound: this many times pp micro-batches in flight")
     parser.add_argument("--restarts", type=int, default=8, help="seeded extra plans while above the lower bound")
     parser.add_argument("--ragged", action="store_true", help="lap costs scaled by the active rows (ragged loop)")
     parser.add_argument("--latency", type=float, default=0.0, help="p2p latency, in forward lap segments")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gantt", type=Path, default=FIGURE, help="PNG of the ring schedule at --gantt-config")
-    parser.add_argument("--gantt-config", type=int, nargs=3, default=[4, 8, 8], metavar=("PP", "M", "MU_REC"))
+    parser.add_argument("--gantt-config", type=int, nargs=3, default=[4, 16, 8], metavar=("PP", "M", "MU_REC"))
     return parser.parse_args(argv)
 
 

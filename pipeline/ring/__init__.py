@@ -26,12 +26,12 @@ from pipeline.ring.actions import (
 )
 from pipeline.ring.baselines import gpipe, interleaved_1f1b, one_f_one_b, uniform_specs
 from pipeline.ring.costs import CostModel
-from pipeline.ring.generate import ring_orders, ring_schedule
+from pipeline.ring.generate import lower_bound, ring_orders, ring_schedule
 from pipeline.ring.p2p import with_p2p
 from pipeline.ring.simulate import DeadlockError, SimResult, simulate
 
 __all__ = [
     "Backward", "CostModel", "DeadlockError", "Embed", "EmbedBackward", "Forward", "Loss", "LossBackward",
     "Message", "MicroBatch", "Recv", "ScheduleError", "Send", "SimResult", "chain", "gpipe", "interleaved_1f1b",
-    "one_f_one_b", "rank_of", "ring_orders", "ring_schedule", "simulate", "uniform_specs", "with_p2p",
+    "lower_bound", "one_f_one_b", "rank_of", "ring_orders", "ring_schedule", "simulate", "uniform_specs", "with_p2p",
 ]

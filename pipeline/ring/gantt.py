@@ -45,9 +45,10 @@ def gantt_chart(result: SimResult, path: str | Path, title: str = "", width: flo
     ax.invert_yaxis()
     ax.set_xlim(0, result.makespan)
     ax.set_xlabel("time (forward lap segment = 1)")
-    ax.set_title(title or f"makespan {result.makespan:g}, idle {100 * result.idle_fraction:.1f}%", fontsize=9)
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()], loc="upper center", ncol=5,
-              fontsize=7, bbox_to_anchor=(0.5, -0.45 if pp < 4 else -0.2), frameon=False)
+    ax.set_title(title or f"makespan {result.makespan:g}, idle {100 * result.idle_fraction:.1f}%", fontsize=9,
+                 pad=18)
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()], loc="lower center", ncol=5,
+              fontsize=7, bbox_to_anchor=(0.5, 1.0), frameon=False)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path)

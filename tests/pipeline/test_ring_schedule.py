@@ -18,6 +18,7 @@ from pipeline.ring import (
     chain,
     gpipe,
     interleaved_1f1b,
+    lower_bound,
     one_f_one_b,
     rank_of,
     ring_schedule,
@@ -178,6 +179,16 @@ def test_ring_bubble_with_sampled_laps_is_at_most_interleaved_1f1b_of_equal_work
     work = sum(s.laps * 1.0 + s.grad_laps * 2.0 for s in specs)
     v = work / (m * 3.0)  # full laps (forward + backward) with the same work per micro-batch
     assert ring.idle_fraction <= (pp - 1) / (v * m) + 1e-12
+
+
+@pytest.mark.parametrize("pp,m", [(1, 2), (2, 4), (4, 3), (4, 8)])
+def test_lower_bound_is_the_1f1b_closed_form_and_below_every_schedule(pp, m):
+    assert lower_bound(uniform_specs(m), pp, UNIFORM) == pytest.approx((m + pp - 1) * 3.0, abs=1e-12)
+    specs = random_specs(m, 6, seed=pp + m)
+    bound = lower_bound(specs, pp, UNIFORM)
+    for max_in_flight in (1, pp, m):
+        ring = simulate(ring_schedule(specs, pp, max_in_flight), specs, UNIFORM)
+        assert ring.makespan >= bound - 1e-9
 
 
 def test_gantt_chart_writes_a_small_png(tmp_path):
