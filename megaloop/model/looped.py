@@ -12,14 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megaloop.config.model import ModelConfig
 from megaloop.model.block import Block, has_value_embedding
-from megaloop.model.depth_plan import DepthPlan
+from megaloop.model.depth_plan import DepthPlan, host_depths
 from megaloop.model.execution import check_checkpoint_mode, compile_blocks, maybe_checkpoint
 from megaloop.model.injection import build_injection
 from megaloop.model.init import init_looped_lm_
@@ -174,7 +173,7 @@ class LoopedLM(nn.Module):
         ctx = self.context(input_ids)
         e = self.encode(input_ids, ctx)
         batch = input_ids.shape[0]
-        plan = DepthPlan.make(self._default_depth(depth), backprop_depth, batch)
+        plan = DepthPlan.make(self._default_depth(depth, batch), backprop_depth, batch)
         if self.injection is None:
             h = maybe_checkpoint(self.activation_checkpointing == "lap", self.core_pass, e, ctx.rope, ctx.core_ve)
             telemetry = {"executed_steps": 1, "useful_steps": batch, "core_rows": batch}
@@ -198,13 +197,11 @@ class LoopedLM(nn.Module):
             telemetry["rho_W1"] = telemetry["rho_A"]
         return result.h, telemetry
 
-    def _default_depth(self, depth):
+    def _default_depth(self, depth, batch: int):
         if depth is None:
             return 1 if self.injection is None else self.cfg.mu_rec
-        if self.injection is None:
-            values = depth.numpy() if torch.is_tensor(depth) and depth.device.type == "cpu" else depth
-            if not (np.asarray(values) == 1).all():
-                raise ValueError("the GPT baseline (injection none) runs its blocks once: depth must be 1")
+        if self.injection is None and (host_depths(depth, batch, "depth") != 1).any():
+            raise ValueError("the GPT baseline (injection none) runs its blocks once: depth must be 1")
         return depth
 
     def initial_state(self, e: torch.Tensor, noise_key=None) -> torch.Tensor:
