@@ -39,7 +39,8 @@ from pipeline.ring.p2p import neighbours
 
 
 class DeadlockError(ScheduleError):
-    """Ranks wait on each other; `cycle` lists (rank, the Recv it is blocked at) around the cycle."""
+    """Ranks wait on each other: `cycle` lists (rank, the Recv it is blocked at) around the cycle of waits, or, when
+    the wait ends at a rank that finished without sending, along that chain of waits."""
 
     def __init__(self, message: str, cycle: list[tuple[int, Recv]]):
         super().__init__(message)
@@ -74,9 +75,6 @@ class SimResult:
     def bubble_ratio(self) -> float:
         """Idle rank-time over busy rank-time (Megatron's 'bubble time fraction' convention)."""
         return len(self.busy) * self.makespan / sum(self.busy) - 1.0 if sum(self.busy) else 0.0
-
-
-_STORES = (Embed, Loss)
 
 
 class _Simulation:
