@@ -6,8 +6,9 @@ and `mm` the bytes of a matmul operand (bf16 under bf16 autocast, else `act`). P
 
   RMSNorm (x2)        its input x and the normalised y (act, d each) and rsqrt (act, 1)          [s/tp under SP]
   q, k, v, fc input   bf16: one bf16 cast per linear (autocast does not share casts of activations): 4 x mm d;
-                      fp32/fp64: the norm outputs themselves, 2 x act d       [all-gathered: full s under SP]
-  value-embed gate    bf16 cast of the first ve_gate_channels (bf16 only), sigmoid and 2*sigmoid (kv_heads each)
+                      fp32/fp64: the norm outputs themselves, 2 x act d; under SP the input is all-gathered to
+                      the full sequence as a strided view, which each linear copies: 4 x mm d on full s
+  value-embed gate    a cast or copy of the first ve_gate_channels (as for q), sigmoid and 2*sigmoid (kv_heads)
   RoPE + QK-norm      QK-norm input in fp32 (q + kv channels, act) and its rstd (heads + kv_heads, act)
                       (RoPE is linear in its input: it saves nothing)
   attention (SDPA)    q, k, v and the output (mm), logsumexp (heads, act); proj reads the output's memory
@@ -78,12 +79,12 @@ class Sizes:
 
 def block_bytes(z: Sizes, m: ModelConfig, ve: bool) -> int:
     """What one block saves for backward (see the module docstring); ve: the block has a value embedding."""
-    bf16 = z.mm < z.act
+    copies = z.mm < z.act or z.s_sp < z.s  # bf16 casts, or copies of the all-gathered (strided) input
     n_norms = 4 if m.block == "sandwich" else 2
     total = z.split(n_norms * (2 * z.act * z.d + z.act))
-    total += z.full((4 * z.mm if bf16 else 2 * z.act) * z.d)
+    total += z.full((4 * z.mm if copies else 2 * z.act) * z.d)
     if ve:
-        total += z.full((z.mm * m.ve_gate_channels if bf16 else 0) + 2 * z.mm * z.kv_heads)
+        total += z.full((z.mm * m.ve_gate_channels if copies else 0) + 2 * z.mm * z.kv_heads)
     total += z.full(z.act * (z.q + z.kv) + z.act * (z.heads + z.kv_heads))
     total += z.full(z.mm * (2 * z.q + 2 * z.kv) + z.act * z.heads)
     total += z.full((4 if m.mlp == "swiglu" else 2) * z.mm * z.ffn)
@@ -132,10 +133,11 @@ class ActivationTerms:
     laps: int  # the kept laps, as stored under the checkpointing setting
     kept_laps: int
     logits: int  # fp32 logits and the saved (log-)softmax
-    held_logits: int  # the previous micro-batch's logits, held by the trainer until the next forward returns
-    #                   (so live at the end of a forward, before the backward's transients)
+    output_logits: int  # one micro-batch's fp32 logits, which the trainer holds until the next forward returns
+    held_logits: int  # output_logits when a rank runs more than one micro-batch per step, else 0
     weight_copies: int  # bf16 autocast copies of the matmul weights used outside recomputed regions
-    loss_grad: int  # the cross-entropy's gradients, live at the start of backward
+    loss_forward: int  # vocabulary-parallel cross-entropy's shifted copy of the logits, in the forward
+    loss_backward: int  # one process: the loss and log-softmax gradients, at the start of backward
     recompute: int  # one block (block) or one lap (lap) recomputed during backward (without weight copies: the
     #                 recomputation's bf16 casts were not seen to add to the measured peak on CPU)
     working: int  # a block's backward working set: the gradients of its MLP hidden layer and residual stream
@@ -146,7 +148,10 @@ class ActivationTerms:
 
     @property
     def transient(self) -> int:
-        return max(self.loss_grad, self.recompute + self.working, self.held_logits)
+        """The most that is live beyond `stored` at once: at the end of the forward (the previous micro-batch's
+        logits and the loss's forward copy), at the start of backward (the loss gradients), or while a block is
+        recomputed and differentiated."""
+        return max(self.held_logits + self.loss_forward, self.loss_backward, self.recompute + self.working)
 
     @property
     def peak(self) -> int:
@@ -198,8 +203,8 @@ def activation_terms(cfg: Config, b: int, tp: int, sp: bool, checkpointing: str,
         laps, recompute = k * block_input_bytes(z), one_lap
         copies -= core_copies
     logits = z.full(2 * z.act * z.vocab)
-    loss_grad = z.full((2 if tp == 1 else 1) * z.act * z.vocab)
+    one = z.full(z.act * z.vocab)
     return ActivationTerms(once=once, prelude_coda=_stack_bytes(z, m, pre) + _stack_bytes(z, m, coda), laps=laps,
-                           kept_laps=k, logits=logits, held_logits=z.full(z.act * z.vocab) * (micro_batches > 1),
-                           weight_copies=copies, loss_grad=loss_grad,
+                           kept_laps=k, logits=logits, output_logits=one, held_logits=one * (micro_batches > 1),
+                           weight_copies=copies, loss_forward=one * (tp > 1), loss_backward=2 * one * (tp == 1),
                            recompute=recompute, working=z.full(z.mm * z.ffn + z.act * z.d))

@@ -3,27 +3,36 @@
 torch.profiler with profile_memory=True records every allocation and free of the c10 CPU allocator with its size;
 their running sum is the bytes held by live tensors (what torch.cuda.max_memory_allocated reports on a GPU),
 without the allocator's fragmentation or the process's other memory. Only allocations made inside the block
-count, so build the model inside it to include parameters and optimizer state.
+count, so build the model inside it to include parameters and optimizer state. `mark(name)` inside the block
+splits it into phases: afterwards `phases` holds (name, live bytes at the mark, peak since the previous mark).
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
 
+_MARK_BASE = 7_654_321  # marks are allocations of _MARK_BASE + i bytes, sizes no tensor of the model has
+
 
 @dataclass
 class LivePeak:
-    """After the block: peak and final live bytes allocated inside it."""
+    """After the block: peak and final live bytes allocated inside it, and the phases between marks."""
 
     peak: int = 0
     final: int = 0
-    events: int = 0
-    marks: list = field(default_factory=list)
+    phases: list = field(default_factory=list)
+    _names: list = field(default_factory=list)
+
+    def mark(self, name: str) -> None:
+        import torch
+
+        self._names.append(name)
+        torch.empty(_MARK_BASE + len(self._names) - 1, dtype=torch.uint8)
 
 
 @contextlib.contextmanager
 def live_tensor_peak():
-    """with live_tensor_peak() as result: ...  ->  result.peak, result.final (bytes)."""
+    """with live_tensor_peak() as result: ...  ->  result.peak, result.final (bytes), result.phases."""
     from torch.profiler import ProfilerActivity, profile
 
     result = LivePeak()
@@ -31,8 +40,17 @@ def live_tensor_peak():
         yield result
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     events.sort(key=lambda e: e.start_ns())
-    live = 0
+    live = phase_peak = 0
     for e in events:
-        live += e.nbytes()
+        size = e.nbytes()
+        index = abs(size) - _MARK_BASE
+        if 0 <= index < len(result._names):
+            if size > 0:
+                result.phases.append((result._names[index], live, phase_peak))
+                phase_peak = live
+            continue
+        live += size
         result.peak = max(result.peak, live)
-    result.final, result.events = live, len(events)
+        phase_peak = max(phase_peak, live)
+    result.phases.append(("end", live, phase_peak))
+    result.final = live

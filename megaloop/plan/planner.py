@@ -41,8 +41,14 @@ class MicroBatchPlan:
     activations: ActivationTerms
 
     @property
+    def step_phase(self) -> int:
+        """Beyond the persistent state during the optimizer step: its working memory, while the trainer still
+        holds the last micro-batch's logits."""
+        return self.static.step_working + self.activations.output_logits
+
+    @property
     def peak(self) -> int:
-        return self.static.persistent + max(self.activations.peak, self.static.step_working)
+        return self.static.persistent + max(self.activations.peak, self.step_phase)
 
     def terms(self) -> list[MemoryTerm]:
         s, a = self.static, self.activations
@@ -56,15 +62,16 @@ class MicroBatchPlan:
             MemoryTerm("activations: logits + softmax", a.logits, "fp32 [b, s, V/tp] and the saved softmax"),
             MemoryTerm("activations: bf16 weight copies", a.weight_copies),
             MemoryTerm("activations: largest transient", a.transient, _transient_note(a)),
-            MemoryTerm("optimizer step working memory", s.step_working, "after backward; counted when larger "
-                       "than the activations"),
+            MemoryTerm("optimizer step working memory", self.step_phase, "after backward, with the last "
+                       "logits; counted when larger than the activations"),
         ]
         return rows
 
 
 def _transient_note(a: ActivationTerms) -> str:
-    options = {"cross-entropy gradients": a.loss_grad, "recomputation + a block's gradients": a.recompute + a.working,
-               "the previous micro-batch's logits, during the forward": a.held_logits}
+    options = {"end of forward: previous logits + loss copy": a.held_logits + a.loss_forward,
+               "start of backward: cross-entropy gradients": a.loss_backward,
+               "recomputation + a block's gradients": a.recompute + a.working}
     return max(options, key=options.get)
 
 

@@ -2,19 +2,19 @@
 optimizer step's own working memory.
 
   parameters   this rank's tensor-parallel shards (fp32; fp64 under train.precision=fp64); DeepSpeed ZeRO-3: 1/dp
-  gradients    one copy of the local gradients in the parameter dtype (a persistent contiguous buffer per dtype);
+  gradients    one copy of the local gradients in the parameter dtype (the persistent flat buffer per dtype);
                DeepSpeed ZeRO-2/3: this rank's 1/dp partition plus one reduction bucket
   Muon         momentum [rows, cols] and NorMuon's second moment [rows, 1] or [1, cols], at least fp32, for the
                matrices this rank owns: all of them in one process; under tp > 1 or ZeRO-1 with dp > 1 the
                distributed Muon assigns whole matrices to the dp x tp ranks (pipeline.dist_muon.assign_owners) and
                the most loaded rank is reported
-  AdamW        exp_avg and exp_avg_sq in the parameter dtype; ZeRO-1 (native, dp > 1): 1/dp of them per rank plus
-               the 1/dp master slice ZeroAdamW steps (pipeline/zero.py); DeepSpeed: 1/dp plus its fp32
+  AdamW        exp_avg and exp_avg_sq in the parameter dtype; ZeRO-1 (native, dp > 1): for the AdamW elements of
+               this rank's chunk of the gradient buffer (pipeline/grad_buffer.py: dp equal chunks, each holding
+               its owner's Muon matrices whole and AdamW elements in the rest); DeepSpeed: 1/dp plus its fp32
                partition (on the CPU with parallel.zero_offload)
-  step working the optimizer step's largest temporaries: the distributed Muon's shared updates (one copy of the
-               local Muon matrices), ZeroAdamW's flat parameters and gradients (two copies of the local AdamW
-               parameters), the data-parallel reduction buckets (one copy of the gradients), Polar Express on the
-               largest matrix
+  step working the optimizer step's largest temporaries: the data-parallel reduction's copy of the gradients,
+               the AdamW step over this rank's chunk, the distributed Muon's gathered gradients and updates (up to
+               one copy of the local Muon matrices) and Polar Express on the largest matrix
 """
 from __future__ import annotations
 
@@ -49,19 +49,31 @@ def _muon_state(shape: tuple[int, ...]) -> int:
     return rows * cols + (rows if rows >= cols else cols)
 
 
+def optimizer_state_elements(params: list[LocalParam], layout: Layout) -> tuple[int, int]:
+    """(Muon, AdamW) state elements of the most loaded rank under the native engine (see the module docstring)."""
+    matrices = [p for p in params if p.optimizer == "muon"]
+    n_local = sum(p.local_numel for p in params)
+    n_adamw = sum(p.local_numel for p in params if p.optimizer == "adamw")
+    sharded = layout.zero_stage >= 1 and layout.dp > 1
+    if not matrices or not (layout.tp > 1 or sharded):
+        return sum(_muon_state(p.full_shape) for p in matrices), 2 * n_adamw
+    dp_slots = layout.dp if sharded else 1
+    owners = assign_owners([p.full_numel for p in matrices], dp_slots * layout.tp)
+    muon = [0] * (dp_slots * layout.tp)
+    pinned = [0] * dp_slots  # local Muon elements lying in each data-parallel chunk of the gradient buffer
+    for p, slot in zip(matrices, owners):
+        muon[slot] += _muon_state(p.full_shape)
+        pinned[slot // layout.tp] += p.local_numel
+    if not sharded:
+        return max(muon), 2 * n_adamw
+    chunk = _ceil_div(n_local, layout.dp)  # AdamW elements fill each chunk around its pinned matrices
+    ranks = [(muon[slot], 2 * max(chunk - pinned[slot // layout.tp], 0)) for slot in range(len(muon))]
+    return max(ranks, key=sum)
+
+
 def muon_state_elements(params: list[LocalParam], layout: Layout) -> int:
     """Elements of Muon state on the most loaded rank."""
-    matrices = [p for p in params if p.optimizer == "muon"]
-    if not matrices:
-        return 0
-    distributed = layout.engine == "native" and (layout.tp > 1 or (layout.zero_stage >= 1 and layout.dp > 1))
-    if not distributed:
-        return sum(_muon_state(p.full_shape) for p in matrices)
-    owners = assign_owners([p.full_numel for p in matrices], layout.dp * layout.tp)
-    load = [0] * (layout.dp * layout.tp)
-    for p, slot in zip(matrices, owners):
-        load[slot] += _muon_state(p.full_shape)
-    return max(load)
+    return optimizer_state_elements(params, layout)[0]
 
 
 def static_terms(params: list[LocalParam], layout: Layout, precision: str, offload: bool = False) -> StaticTerms:
@@ -74,17 +86,15 @@ def static_terms(params: list[LocalParam], layout: Layout, precision: str, offlo
     polar = 6 * pb * largest
     if layout.engine == "deepspeed":
         return _deepspeed_terms(n_local, layout, offload, largest_param=max(p.full_numel for p in params))
-    muon = pb * muon_state_elements(params, layout)
+    muon, adamw = optimizer_state_elements(params, layout)
     zero1 = layout.zero_stage >= 1 and layout.dp > 1
+    working = pb * n_local if layout.dp > 1 else 0  # the data-parallel reduction's copy of the gradients
     if zero1:
-        adamw = 3 * pb * _ceil_div(n_adamw, layout.dp)
-        working = max(2 * pb * n_adamw, pb * n_local)
-    else:
-        adamw = 2 * pb * n_adamw
-        working = pb * n_local if layout.dp > 1 else 0
+        working = max(working, 2 * pb * _ceil_div(n_adamw, layout.dp))
     distributed_muon = muon and (layout.tp > 1 or zero1)
     working = max(working, (pb * n_muon if distributed_muon else 0) + polar)
-    return StaticTerms(params=pb * n_local, grads=pb * n_local, muon=muon, adamw=adamw, step_working=working)
+    return StaticTerms(params=pb * n_local, grads=pb * n_local, muon=pb * muon, adamw=pb * adamw,
+                       step_working=working)
 
 
 def _deepspeed_terms(n: int, layout: Layout, offload: bool, largest_param: int) -> StaticTerms:
