@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -214,6 +217,15 @@ def test_gantt_chart_writes_a_small_png(tmp_path):
     path = gantt_chart(result, tmp_path / "ring.png")
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and 1_000 < len(data) < 200_000
+
+
+def test_the_schedule_package_is_pure_python():
+    """Generator, baselines and simulator import neither torch nor matplotlib (the Gantt chart loads it lazily)."""
+    code = ("import sys, pipeline.ring, pipeline.ring.gantt; "
+            "print(sorted(m for m in ('torch', 'matplotlib', 'numpy') if m in sys.modules))")
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 def test_generator_refuses_bad_bounds_and_specs():
