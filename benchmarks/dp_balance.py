@@ -11,8 +11,13 @@ idle_fraction = 1 - sum of depths / (dp x the busiest rank's executed core passe
              what no dealing can beat
 Usage (from the repository root):
 
-    python benchmarks/dp_balance.py                 # the three standard cases, 200 steps each
+    python benchmarks/dp_balance.py                 # the standard cases, 200 steps each
     python benchmarks/dp_balance.py --dp 8 --global-batch 64 --micro-batch 4 --steps 1000
+    python benchmarks/dp_balance.py --trainer SHARD_DIR --dp 4 --global-batch 32 --micro-batch 2 --steps 10
+
+--trainer runs configs/parcae-tiny.yaml (d_model 64) on SHARD_DIR (32-token rows, vocab <= 512) with dp processes
+(gloo, CPU) once with parallel.dp_balance=rows and once with depth, and prints the idle_fraction the trainer logged
+(measured from the core passes the model ran), next to the simulation of the same steps.
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trainer", default=None, metavar="SHARD_DIR", help="measure in a dp CPU training run")
     return parser.parse_args(argv)
 
 
@@ -104,8 +110,63 @@ def simulate(sampler, dp: int, batch: int, micro_batch: int, steps: int) -> dict
     return {name: float(np.mean(values)) for name, values in figures.items()}
 
 
+def _trainer_rank(rank: int, world: int, port: int, overrides: list[str]) -> None:
+    import os
+
+    import torch
+
+    from megaloop.config import load_config
+    from megaloop.train.loop import train
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        train(load_config(Path(__file__).resolve().parents[1] / "configs" / "parcae-tiny.yaml", overrides))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def measure_trainer(args) -> dict[str, float]:
+    """Mean logged idle_fraction of a dp training run per dealing (rows, depth)."""
+    import json
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    figures = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in ("rows", "depth"):
+            out = Path(tmp) / mode
+            overrides = [f"data.shards={args.trainer}", f"train.out_dir={out}", f"train.steps={args.steps}",
+                         "model.vocab_size=512", "model.d_model=64", "model.n_heads=2", "model.ve_gate_channels=16",
+                         "model.seq_len=32", f"model.mu_rec={args.mu_rec}", f"model.depth_sampler={args.sampler}",
+                         f"data.micro_batch_size={args.micro_batch}", f"data.global_batch_size={args.global_batch}",
+                         "data.val_batches=0", "train.val_every=100000", "train.progress=false",
+                         f"train.seed={args.seed}", f"parallel.dp={args.dp}", f"parallel.dp_balance={mode}"]
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            mp.spawn(_trainer_rank, args=(args.dp, port, overrides), nprocs=args.dp, join=True)
+            records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            figures[mode] = float(np.mean([r["idle_fraction"] for r in records if r["kind"] == "train"]))
+    return figures
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.trainer:
+        dp = args.dp or 4
+        args.dp = dp
+        measured = measure_trainer(args)
+        simulated = simulate(make_sampler(args.sampler, args.mu_rec, seed=args.seed), dp, args.global_batch,
+                             args.micro_batch, args.steps)
+        print(f"trainer, dp {dp}, {args.global_batch} rows, micro-batch {args.micro_batch}, {args.steps} steps: "
+              f"logged idle_fraction rows {measured['rows']:.3f} depth-balanced {measured['depth']:.3f} "
+              f"(simulated: rows+ragged {simulated['rows+ragged']:.3f}, depth {simulated['depth']:.3f})")
+        return {"measured": measured, "simulated": simulated}
     sampler = make_sampler(args.sampler, args.mu_rec, seed=args.seed)
     cases = [(args.dp, args.global_batch, args.micro_batch)] if args.dp else CASES
     results = {}

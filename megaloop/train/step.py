@@ -23,8 +23,9 @@ from megaloop.train.precision import autocast_for
 # Telemetry averaged over the step's rows (each micro-batch's value weighted by its rows; under sequence parallelism a
 # tensor-parallel rank's value is a mean over its positions, so the job-wide sum divided by tp averages them).
 TELEMETRY = ("rho_A", "state_norm", "recurrent_residual")
-# Sums over this rank's rows, identical on the tensor-parallel ranks of one dp rank (so divided by tp_size).
-SUMS = ("loss_sum", "tokens", "sequences", "useful_flops", "executed_flops", "depth_sum", "core_rows")
+# Host sums over this rank's rows. They and the loss, telemetry and core passes are identical on the tensor-parallel
+# ranks of one dp rank (or, for telemetry, averaged over them), so the job-wide sums are divided by tp_size.
+HOST_SUMS = ("tokens", "sequences", "useful_flops", "executed_flops", "depth_sum")
 STOP_CODES = 2  # slots counting ranks that stop for a signal (code 1) or for the time limit (code 2)
 
 
@@ -41,7 +42,7 @@ class MicroBatch:
 class StepStats:
     """A step's local statistics: host numbers and device tensors, packed by `pack` for the one reduction."""
 
-    host: dict = field(default_factory=lambda: dict.fromkeys(SUMS, 0.0))
+    host: dict = field(default_factory=lambda: dict.fromkeys(HOST_SUMS, 0.0))
     loss_sum: torch.Tensor | float = 0.0  # sum over this rank's tokens of the token losses (device tensor)
     telemetry: dict = field(default_factory=dict)  # name -> sum over micro-batches of value x rows (device)
     core_rows: object = 0  # core passes executed on this rank (int, or a device tensor from the model)
@@ -57,12 +58,12 @@ def plan_step(depth_sample, micro_batch_size: int, by_depth: bool) -> list[Micro
 
 
 class StepTimer:
-    """forward/backward times summed over micro-batches: CUDA events on a GPU (read once, after the step's
+    """forward/backward times summed over micro-batches, and the gradient reduction + optimizer: CUDA events on a GPU (read once, after the step's
     synchronising reduction), wall clock on the CPU (where work is synchronous)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.spans = {"forward": [], "backward": []}
+        self.spans = {"forward": [], "backward": [], "optimizer": []}
 
     def mark(self):
         if self.cuda:
@@ -107,12 +108,12 @@ def train_step(model, optimizer, batch: dict, depth_sample, step: int, seed: int
             timer.add("forward", t0, t1)
             timer.add("backward", t1, timer.mark())
             _accumulate(stats, out, mb, n_tok)
-    t2 = time.perf_counter()
+    t2 = timer.mark()
     runtime.reduce_gradients(model)
     stats.record = optimizer.step(step)
     optimizer.zero_grad(set_to_none=True)
-    stats.times.update(timer.totals())
-    stats.times["optimizer"] = time.perf_counter() - t2
+    timer.add("optimizer", t2, timer.mark())
+    stats.times.update(timer.totals())  # on a GPU: the step's one synchronisation, after all its work is queued
     return stats
 
 
@@ -157,10 +158,11 @@ class StepFigures:
 
 def pack(stats: StepStats, flop_model: FlopModel, seq: int, dp_rank: int, dp_size: int, stop_code: int,
          device) -> torch.Tensor:
-    """[SUMS..., TELEMETRY..., core rows of dp rank 0..dp-1, ranks stopping by code 1, by code 2] as float64."""
+    """[loss_sum, TELEMETRY..., core passes of dp rank 0..dp-1 (this rank's slot only), HOST_SUMS..., ranks
+    stopping by code 1, by code 2] as one float64 vector on `device`."""
     stats.host["executed_flops"] = _executed_flops(stats, flop_model, seq)
     zero = torch.zeros((), dtype=torch.float64, device=device)
-    host = [stats.host[name] for name in SUMS if name not in ("loss_sum", "core_rows")]
+    host = [stats.host[name] for name in HOST_SUMS]
     parts = [zero + stats.loss_sum, *(zero + stats.telemetry.get(name, float("nan")) for name in TELEMETRY)]
     slots = [zero] * dp_size
     slots[dp_rank] = zero + stats.core_rows
@@ -185,11 +187,10 @@ def reduce_step(stats: StepStats, runtime, flop_model: FlopModel, seq: int, stop
     dp, tp = runtime.dp_size, runtime.tp_size
     vec = pack(stats, flop_model, seq, runtime.dp_rank, dp, stop_code, runtime.device)
     total = runtime.sum_stats(vec).tolist()
-    n_tel, n_host = len(TELEMETRY), len(SUMS) - 2
+    n_tel = len(TELEMETRY)
     loss_sum, tel = total[0] / tp, [v / tp for v in total[1:1 + n_tel]]
     rank_core_rows = [v / tp for v in total[1 + n_tel:1 + n_tel + dp]]
-    host = dict(zip([n for n in SUMS if n not in ("loss_sum", "core_rows")],
-                    [v / tp for v in total[1 + n_tel + dp:1 + n_tel + dp + n_host]]))
+    host = dict(zip(HOST_SUMS, [v / tp for v in total[1 + n_tel + dp:-STOP_CODES]]))
     stops = total[-STOP_CODES:]
     tokens, sequences = int(round(host["tokens"])), max(int(round(host["sequences"])), 1)
     return StepFigures(
