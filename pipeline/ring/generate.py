@@ -75,6 +75,8 @@ def lower_bound(specs: Sequence[MicroBatch], pp: int, costs: CostModel = CostMod
     time before its first action (chain prefixes on other ranks) and after its last one; and, since a micro-batch
     is on one rank at a time, all work over min(micro-batches, pp)."""
     chains = [chain(mb, spec, pp) for mb, spec in enumerate(specs)]
+    if not chains:
+        return 0.0
     work, head, foot = [0.0] * pp, [float("inf")] * pp, [float("inf")] * pp
     longest = 0.0
     for actions in chains:
@@ -88,5 +90,5 @@ def lower_bound(specs: Sequence[MicroBatch], pp: int, costs: CostModel = CostMod
             foot[rank] = min(foot[rank], tail[last] - durations[last])
         for rank, duration in zip(ranks, durations):
             work[rank] += duration
-    spread = sum(work) / min(len(chains), pp) if chains else 0.0
+    spread = sum(work) / min(len(chains), pp)
     return max([longest, spread] + [h + w + f for h, w, f in zip(head, work, foot)])

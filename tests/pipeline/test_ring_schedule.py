@@ -189,6 +189,7 @@ def test_ring_bubble_with_sampled_laps_is_at_most_interleaved_1f1b_of_equal_work
 @pytest.mark.parametrize("pp,m", [(1, 2), (2, 4), (4, 3), (4, 8)])
 def test_lower_bound_is_the_1f1b_closed_form_and_below_every_schedule(pp, m):
     assert lower_bound(uniform_specs(m), pp, UNIFORM) == pytest.approx((m + pp - 1) * 3.0, abs=1e-12)
+    assert lower_bound([], pp) == 0.0 and ring_schedule([], pp, 1) == [[] for _ in range(pp)]
     specs = random_specs(m, 6, seed=pp + m)
     bound = lower_bound(specs, pp, UNIFORM)
     for max_in_flight in (1, pp, m):
