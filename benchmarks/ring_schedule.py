@@ -12,8 +12,9 @@ activation bound). Printed beside its idle fraction:
   best     the idle fraction of a schedule at the lower bound (generate.lower_bound); "infeasible" marks rows
            whose lower bound is already above the target (m < pp, or one micro-batch's chain longer than the rest)
   1F1B-i   simulated interleaved 1F1B with v = round(mean laps) chunks, all with autograd (m a multiple of pp),
-           and its peak stored activation units on rank 0 beside the ring's (a unit: one lap segment's, the
-           embedding's or the loss's saved activations)
+           and its peak stored activation units on rank 0 (i-mem) beside the ring's on any rank (mem; a unit:
+           one lap segment's, the embedding's or the loss's saved activations)
+  fly      the ring's peak micro-batches in flight on a rank / the bound; open: its peak open micro-batches
 
 The default bound, 3 x pp micro-batches in flight (6 x pp open), keeps the ring's peak stored units near
 interleaved 1F1B's; with --in-flight 2 the ring stores less and a few rows end a little above the target.
@@ -123,7 +124,7 @@ def main(argv=None) -> int:
     print(f"costs: forward {costs.forward}, backward {costs.backward}, no-autograd forward {costs.nograd_forward}, "
           f"latency {costs.latency}; bound {args.in_flight} x pp micro-batches in flight, 2 x that open; "
           f"{args.sequences} sequences per micro-batch, sampler {args.sampler}{', ragged' if args.ragged else ''}")
-    print(" pp   m   mu  laps      v    idle  target    best    verdict  v/laps 1F1B-i units units  fly   open  gen_s")
+    print(" pp   m   mu  laps      v    idle  target    best    verdict  v/laps 1F1B-i i-mem  mem  fly    open  gen_s")
     rows = []
     for pp in args.pp:
         for m in args.m:
