@@ -31,8 +31,8 @@ def maybe_checkpoint(enabled: bool, fn: Callable, *args):
     return fn(*args)
 
 
-def compile_blocks(blocks: Iterable[nn.Module]) -> None:
+def compile_blocks(blocks: Iterable[nn.Module], backend: str = "inductor") -> None:
     """Compile each block in place, once; dynamic shapes so that prefix sizes share one graph."""
     for block in blocks:
         if getattr(block, "_compiled_call_impl", None) is None:
-            block.compile(dynamic=True)
+            block.compile(backend=backend, dynamic=True)

@@ -80,10 +80,10 @@ class LoopedLM(nn.Module):
         """none | block (recompute each core block in backward) | lap (recompute each gradient lap)."""
         self.activation_checkpointing = check_checkpoint_mode(mode)
 
-    def set_compile(self, enabled: bool) -> None:
+    def set_compile(self, enabled: bool, backend: str = "inductor") -> None:
         """torch.compile every prelude, core and coda block once (in place; dynamic batch dimension)."""
         if enabled:
-            compile_blocks([*self.prelude, *self.core, *self.coda])
+            compile_blocks([*self.prelude, *self.core, *self.coda], backend)
 
     # ---- initialisation ------------------------------------------------------------------------------------
     def reset_parameters(self, seed: int = 0) -> None:

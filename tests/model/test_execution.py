@@ -70,3 +70,28 @@ def test_compiled_blocks_equal_eager_fp32():
     print(f"compiled vs eager (fp32): loss {abs((loss - ref_loss).item()):.1e}, grads max rel {err:.1e}")
     assert abs((loss - ref_loss).item()) <= 1e-5 and err <= 1e-5
     assert all(getattr(b, "_compiled_call_impl", None) is not None for b in [*model.prelude, *model.core])
+
+
+def test_variable_depths_do_not_recompile():
+    """Fresh per-sequence depths at every step (active prefixes of every size): after the first step's graphs, at
+    most 2 more over 8 steps. Dynamo's own graph count; the "eager" backend keeps the test fast (the inductor
+    figures are in benchmarks/compile_loop.py)."""
+    from torch._dynamo.utils import counters
+
+    from megaloop.depth import make_sampler
+
+    torch._dynamo.reset()
+    cfg, model, _, _ = _setup(torch.float32, mu_rec=8, mu_bwd=4)
+    model.set_compile(True, backend="eager")
+    sampler = make_sampler("poisson-truncated-full", 8, 4, seed=0)
+    g = torch.Generator().manual_seed(0)
+    graphs = []
+    for step in range(8):
+        depth = sampler.sample(step, np.arange(6 * step, 6 * step + 6))
+        ids = torch.randint(0, cfg.vocab_size, (6, cfg.seq_len), generator=g)
+        before = counters["stats"]["unique_graphs"]
+        model(ids, labels=ids, depth=depth.T.numpy(), backprop_depth=depth.k.numpy()).loss.backward()
+        graphs.append(counters["stats"]["unique_graphs"] - before)
+    print(f"graphs compiled per step: {graphs}")
+    assert graphs[0] > 0, "the blocks must be compiled"
+    assert sum(graphs[1:]) <= 2
