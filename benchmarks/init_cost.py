@@ -1,0 +1,110 @@
+"""Cost of the per-parameter initialisation (float64 on one thread, keyed by (seed, name)) against the previous
+recipe (one float32 QR on all of torch's threads), side by side in one process.
+
+    python benchmarks/init_cost.py [--size 2048] [--config configs/parcae-1_3b.yaml] [--repeats 3] [--no-full]
+                                   [--with-previous]
+
+Prints: one size x size orthogonal matrix (new, previous); the full init of --config, every parameter computed and
+dropped at once (so the figure is compute, not memory), with the share of the largest parameter kinds and, with
+--with-previous, the previous recipe's time for the same shapes. A pipeline stage or tensor-parallel rank pays only
+for the parameters it holds.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from megaloop.config import load_config  # noqa: E402
+from megaloop.model import build_model, init_parameter  # noqa: E402
+from megaloop.model.layers import scaled_orthogonal_  # noqa: E402
+
+
+def _best_of(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def one_matrix(size: int, repeats: int) -> None:
+    cfg = dataclasses.replace(load_config(None).model, d_model=size)
+    shape = (size, size)
+    new = _best_of(lambda: init_parameter(cfg, "core.0.attn.q.weight", shape, seed=0), repeats)
+    g = torch.Generator().manual_seed(0)
+    old = _best_of(lambda: scaled_orthogonal_(torch.empty(shape), cfg.std, g), repeats)
+    print(f"one {size}x{size} orthogonal: per-parameter fp64 1 thread {new:.3f} s, "
+          f"previous fp32 {torch.get_num_threads()} threads {old:.3f} s, ratio {new / old:.2f}")
+
+
+ORTHOGONAL = ("embed.weight", "C.weight", ".attn.q.weight", ".attn.k.weight", ".attn.v.weight", ".mlp.fc.weight")
+
+
+def _kind(name: str) -> str:
+    parts = name.split(".")
+    return ".".join(parts[2:]) if parts[0] in ("prelude", "core", "coda") else parts[0]
+
+
+def _previous(name: str, shape, std: float, g: torch.Generator) -> None:
+    """The previous recipe's work for one parameter: fp32 on all threads, one shared generator."""
+    t = torch.empty(shape)
+    if name.endswith(ORTHOGONAL):
+        scaled_orthogonal_(t, std, g)
+    elif name.startswith("value_embeds."):
+        t.normal_(0.0, 1.0, generator=g)
+
+
+def full_init(config: str, with_previous: bool) -> None:
+    cfg = load_config(config).model
+    model = build_model(cfg, device="meta")
+    per_kind: dict[str, float] = defaultdict(float)
+    t0 = time.perf_counter()
+    for name, p in model.named_parameters():
+        t = time.perf_counter()
+        init_parameter(cfg, name, p.shape, seed=0)
+        per_kind[_kind(name)] += time.perf_counter() - t
+    elapsed = time.perf_counter() - t0
+    total = sum(p.numel() for p in model.parameters())
+    print(f"full init of {Path(config).stem} ({total / 1e9:.3f} B parameters, "
+          f"{sum(1 for _ in model.parameters())} tensors): per-parameter fp64 1 thread {elapsed:.1f} s")
+    for kind, secs in sorted(per_kind.items(), key=lambda kv: -kv[1])[:6]:
+        print(f"  {kind:<22} {secs:7.1f} s  ({100 * secs / elapsed:4.1f} %)")
+    per_block = sum(v for k, v in per_kind.items() if k.startswith(("attn.", "mlp.", "norm_"))) / cfg.n_layers
+    stage_blocks = math.ceil(cfg.n_core / 4)
+    print(f"  one block {per_block:.2f} s; e.g. a stage holding {stage_blocks} core blocks (the core over 4 stages) "
+          f"pays ~{per_block * stage_blocks:.1f} s")
+    if with_previous:
+        g = torch.Generator().manual_seed(0)
+        t0 = time.perf_counter()
+        for name, p in model.named_parameters():
+            _previous(name, p.shape, cfg.std, g)
+        old = time.perf_counter() - t0
+        print(f"  previous recipe (fp32, {torch.get_num_threads()} threads): {old:.1f} s, ratio {elapsed / old:.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", type=int, default=2048)
+    ap.add_argument("--config", default=str(REPO / "configs" / "parcae-1_3b.yaml"))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-full", action="store_true", help="skip the full-model init")
+    ap.add_argument("--with-previous", action="store_true", help="also time the previous recipe on the full model")
+    args = ap.parse_args()
+    one_matrix(args.size, args.repeats)
+    if not args.no_full:
+        full_init(args.config, args.with_previous)
+
+
+if __name__ == "__main__":
+    main()
