@@ -76,8 +76,9 @@ def test_build_model_equals_materialize_on_meta_and_reset_parameters():
 def test_reference_statistics_in_fp64():
     """W W^T = gain^2 I (the shorter side orthonormal) within 1e-10, gain = sigma sqrt(max(rows, cols)); zeros, ones,
     the injection's A_log = 0, dt_bias = softplus^-1(0.5 ln 5), B = I; value embeddings ~ N(0, 1)."""
-    cfg = small_config(d_model=64, vocab_size=512)
+    cfg = small_config(d_model=64, vocab_size=512, n_kv_heads=2)  # k, v: 32 x 64, wider than tall
     model = materialize(build_model(cfg, device="meta"), seed=11, dtype=torch.float64)
+    assert model.core[0].attn.k.weight.shape == (32, 64)
     sigma = math.sqrt(2.0 / (5.0 * cfg.d_model))
     checked = 0
     for name, p in model.named_parameters():
