@@ -1,6 +1,6 @@
-"""One optimizer step: cut this rank's rows into micro-batches, forward/backward each with the loss weighted by its
-true share of the global batch's tokens, reduce gradients, clip and step; then ONE packed reduction of the step's
-statistics over the whole job (which also carries the stop flag).
+"""One optimizer step (`train_step`): cut this rank's rows into micro-batches, forward/backward each with the loss
+weighted by its true share of the global batch's tokens, reduce gradients, clip and step; then (`reduce_step`, called
+by the loop) ONE packed reduction of the step's statistics over the whole job, which also carries the stop flag.
 
 The micro-batch loop never waits for the device: depths and micro-batch sizes are host integers planned before it
 (`plan_step`), the global token count is the host integer global_batch x seq (no collective), and the loss and
