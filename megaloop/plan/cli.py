@@ -19,7 +19,8 @@ def add_arguments(p) -> None:
 
 
 def run_plan(args) -> int:
-    """Load and check the config for the job's GPU count (as `launch` does), then print the plan. ConfigError on a bad job."""
+    """Load and check the config for the job's GPU count (as `launch` does), then print the plan; a job that cannot
+    run raises ConfigError."""
     if args.pp != 1:
         raise ConfigError("--pp", args.pp, "memory planning for the ring pipeline (pp > 1) is a later step; plan "
                           "with --pp 1 (parallel.pp must be 1 too)")

@@ -2,7 +2,8 @@
 micro-batch that fits a GPU.
 
 peak = parameters + gradients + optimizer state + max(activations of one micro-batch at their peak, the optimizer
-step's working memory): the step runs after the last backward, when the activations are gone.
+step's working memory + the last micro-batch's logits): the step runs after the last backward, when only the
+logits the trainer still holds are left of the activations.
 
 Later steps add their own terms here: the ring pipeline (pp > 1: per-stage parameters and the in-flight
 activations of the schedule's micro-batches) as `Plan.pipeline`, and throughput (step time from the FLOP model and
