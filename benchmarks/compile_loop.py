@@ -1,8 +1,8 @@
 """train.compile on the CPU: 20 forward+backward steps with per-sequence depths (poisson-truncated-full, a fresh draw
 each step), compiled blocks vs eager side by side in one run (same weights, depths and tokens). Prints the graphs
 compiled at each step (recompilations after the first step, target <= 2), the first compiled step's time, the median
-step time of the later steps compiled vs eager (median: robust to other load on a shared machine), and the largest
-difference of loss and gradients (fp32).
+step time of the later steps compiled vs eager (this process's CPU time on one thread, and the median: robust to
+other load on a shared machine), and the largest difference of loss and gradients (fp32).
 
     python benchmarks/compile_loop.py [--config parcae-tiny] [--steps 20] [--batch 8] [--seq 128] [--mu-rec 8]
         [--threads 1]
@@ -34,12 +34,12 @@ def _batches(cfg, steps: int, batch: int, seq: int, mu_rec: int):
 
 
 def _step(model, ids, depth, k):
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     out = model(ids, labels=ids, depth=depth, backprop_depth=k)
     out.loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    return time.perf_counter() - t0, out.loss.detach(), grads
+    return time.process_time() - t0, out.loss.detach(), grads
 
 
 def run(config: str, steps: int, batch: int, seq: int, mu_rec: int) -> None:
@@ -70,7 +70,7 @@ def run(config: str, steps: int, batch: int, seq: int, mu_rec: int) -> None:
     later_c = statistics.median(times["compiled"][1:])
     later_e = statistics.median(times["eager"][1:])
     print(f"{config} batch {batch} seq {seq} mu_rec {mu_rec}: graphs at step 0 {graphs[0]}, recompilations over "
-          f"steps 1-{steps - 1}: {sum(graphs[1:])}; first compiled step {times['compiled'][0]:.1f}s; later steps "
+          f"steps 1-{steps - 1}: {sum(graphs[1:])}; first compiled step {times['compiled'][0]:.1f} CPU-s; later steps "
           f"compiled {later_c:.3f}s eager {later_e:.3f}s (compiled/eager {later_c / later_e:.2f}x); max |diff| loss "
           f"and relative grads {worst:.1e}")
 
