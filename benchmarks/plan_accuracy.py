@@ -1,11 +1,18 @@
 """The memory planner's predicted peak against the measured peak of real CPU training steps.
 
 Each configuration runs in fresh processes (one per rank): the runtime, model and optimizer are built and two
-training steps run (the optimizer state exists from the first), all inside `megaloop.plan.measure.live_tensor_peak`,
-which sums the CPU allocator's own allocation records: the measured figure is the peak of bytes held by live
-tensors (parameters, gradients, optimizer state, activations, temporaries), the quantity
-torch.cuda.max_memory_allocated reports on a GPU and the one the planner predicts; the allocator's fragmentation
-and the CUDA context are what the planner's GPU headroom covers. Depths are fixed at mu_rec (model.depth_sampler=
+training steps run (the optimizer state exists from the first). Two measurements, each in its own processes:
+
+  allocator  inside `megaloop.plan.measure.live_tensor_peak`, the running sum of the CPU allocator's own records:
+             the peak of bytes held by live tensors, the quantity torch.cuda.max_memory_allocated reports on a GPU
+             and the one the planner predicts. Frees made on threads the profiler does not follow (gloo's) are
+             missed, so under several processes this figure drifts upwards from step to step.
+  rss        after a first build and step (the libraries' one-time memory), the peak resident set during a
+             second build + two steps (VmHWM, reset first) minus the resident set before, with
+             every block above 64 KiB mmapped (MALLOC_MMAP_THRESHOLD_, as benchmarks/loop_memory.py) so that a
+             freed tensor leaves the resident set at once; it also counts the process's non-tensor memory.
+
+The allocator's fragmentation and the CUDA context are what the planner's GPU headroom covers. Depths are fixed at mu_rec (model.depth_sampler=
 fixed) so that every micro-batch keeps mu_bwd laps, the case the planner sizes for. Multi-process layouts report
 the most loaded rank on both sides.
 
@@ -17,6 +24,8 @@ setting, with the breakdown.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import socket
@@ -45,9 +54,26 @@ def _config(path: str, overrides: list[str], checkpointing: str):
     return load_config(REPO / path, [*COMMON, *overrides, f"train.activation_checkpointing={checkpointing}"])
 
 
+def _rss_kib(field: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status (Linux only)")
+
+
+@contextlib.contextmanager
+def _rss_peak():
+    """result["peak"]: bytes of resident-set growth at its highest inside the block."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM
+    before, result = _rss_kib("VmRSS"), {}
+    yield result
+    result["peak"] = (_rss_kib("VmHWM") - before) * 1024
+
+
 def _measure_rank(rank: int, world: int, port: int, path: str, overrides: list[str], checkpointing: str,
-                  out_dir: str) -> None:
-    """One rank: build and run two training steps inside the allocator record; write the peak to out_dir."""
+                  out_dir: str, how: str) -> None:
+    """One rank: build and run two training steps inside the measurement; write the peak to out_dir."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     import torch
@@ -64,29 +90,37 @@ def _measure_rank(rank: int, world: int, port: int, path: str, overrides: list[s
     m, device = cfg.model, torch.device("cpu")
     rows = cfg.data.global_batch_size // (world // cfg.parallel.tp)
     sampler = make_sampler("fixed", m.mu_rec, m.backprop_depth, seed=0)
-    with live_tensor_peak() as live:
-        runtime = make_runtime(cfg, device)
+    runtime = make_runtime(cfg, device)
+
+    def run(steps: int) -> None:
         model, optimizer = build_model_and_optimizer(cfg, runtime, device)
         gen = torch.Generator().manual_seed(runtime.dp_rank)
-        for step in range(2):
+        for step in range(steps):
             index = torch.arange(rows) + runtime.dp_rank * rows + step * cfg.data.global_batch_size
             batch = {"tokens": torch.randint(0, m.vocab_size, (rows, m.seq_len + 1), generator=gen),
                      "sample_index": index}
             train_step(model, optimizer, batch, sampler.sample(step, index), step, 0, cfg, runtime,
                        FlopModel.of(m))
-        runtime.close()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"peak": live.peak}))
+
+    if how == "rss":
+        run(1)  # libraries' one-time memory (kernels, thread pools, gloo buffers) before the baseline
+        gc.collect()
+    with (live_tensor_peak() if how == "allocator" else _rss_peak()) as live:
+        run(2)
+    runtime.close()
+    peak = live.peak if how == "allocator" else live["peak"]
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"peak": peak}))
 
 
-def measure(path: str, world: int, overrides: list[str], checkpointing: str) -> int:
-    """The largest per-rank measured peak (bytes) over `world` fresh processes."""
+def measure(path: str, world: int, overrides: list[str], checkpointing: str, how: str) -> int:
+    """The largest per-rank measured peak (bytes) over `world` fresh processes; how: allocator | rss."""
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_measure_rank, args=(world, port, path, overrides, checkpointing, out_dir), nprocs=world,
+        mp.spawn(_measure_rank, args=(world, port, path, overrides, checkpointing, out_dir, how), nprocs=world,
                  join=True)
         return max(json.loads(p.read_text())["peak"] for p in Path(out_dir).glob("rank*.json"))
 
@@ -105,12 +139,16 @@ def main() -> None:
     ap.add_argument("--checkpointing", nargs="+", choices=("none", "block", "lap"), default=["none", "block", "lap"])
     ap.add_argument("--skip-1_3b", action="store_true", help="do not print the parcae-1_3b plan")
     a = ap.parse_args()
-    print(f"{'configuration':<22}{'ckpt':<7}{'predicted MiB':>14}{'measured MiB':>14}{'error':>9}")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the measuring processes
+    print(f"{'configuration':<20}{'ckpt':<6}{'predicted MiB':>14}{'allocator MiB':>14}{'error':>8}"
+          f"{'rss MiB':>10}{'error':>8}")
     for name in a.only:
         path, world, overrides = CASES[name]
         for ck in a.checkpointing:
-            pred, meas = predict(path, world, overrides, ck), measure(path, world, overrides, ck)
-            print(f"{name:<22}{ck:<7}{pred / 2**20:>14.1f}{meas / 2**20:>14.1f}{pred / meas - 1:>+9.1%}", flush=True)
+            pred = predict(path, world, overrides, ck)
+            alloc, rss = (measure(path, world, overrides, ck, how) for how in ("allocator", "rss"))
+            print(f"{name:<20}{ck:<6}{pred / 2**20:>14.1f}{alloc / 2**20:>14.1f}{pred / alloc - 1:>+8.1%}"
+                  f"{rss / 2**20:>10.1f}{pred / rss - 1:>+8.1%}", flush=True)
     if not a.skip_1_3b:
         from megaloop.__main__ import main as megaloop_main
 
