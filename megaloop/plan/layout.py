@@ -99,10 +99,10 @@ def local_params(cfg: Config, tp: int) -> list[LocalParam]:
         full = tuple(param.shape)
         local = list(full)
         if name in split:
-            dim, _parts = split[name]
-            if full[dim] % tp:
+            dim, parts = split[name]
+            if full[dim] % (parts * tp):
                 raise ConfigError("parallel.tp", tp, f"{name} has {full[dim]} rows/columns along its split "
-                                  "dimension, which tp does not divide")
+                                  f"dimension, which {parts} part(s) x tp do not divide")
             local[dim] //= tp
         out.append(LocalParam(name, full, tuple(local), which.get(name, "adamw")))
     return out

@@ -5,6 +5,8 @@ their running sum is the bytes held by live tensors (what torch.cuda.max_memory_
 without the allocator's fragmentation or the process's other memory. Only allocations made inside the block
 count, so build the model inside it to include parameters and optimizer state. `mark(name)` inside the block
 splits it into phases: afterwards `phases` holds (name, live bytes at the mark, peak since the previous mark).
+Frees made on threads the profiler does not follow (gloo's work threads) are missed, so with several processes the
+running sum drifts upwards from step to step: measure one process, or compare with the resident set.
 """
 from __future__ import annotations
 
