@@ -104,6 +104,9 @@ def _measure_rank(rank: int, world: int, port: int, path: str, overrides: list[s
 
     if how == "rss":
         run(1)  # libraries' one-time memory (kernels, thread pools, gloo buffers) before the baseline
+        for name in ("model", "buffer", "reducer", "_parts"):  # the runtime's hold on the warm-up's model
+            if hasattr(runtime, name):
+                setattr(runtime, name, None)
         gc.collect()
     with (live_tensor_peak() if how == "allocator" else _rss_peak()) as live:
         run(2)
