@@ -25,7 +25,7 @@ TOL = 1e-12
 def overrides(shards, out_dir, dp: int) -> list[str]:
     return [f"data.shards={shards}", f"train.out_dir={out_dir}", f"train.steps={STEPS}", "model.vocab_size=512",
             "model.d_model=64", "model.n_heads=2", "model.ve_gate_channels=16", "model.seq_len=32",
-            "data.micro_batch_size=2", f"data.global_batch_size={GLOBAL}", "data.val_batches=1",
+            "data.micro_batch_size=2", f"data.global_batch_size={GLOBAL}", "data.val_batches=0",
             "train.val_every=1000", "train.progress=false", "train.precision=fp64", f"parallel.dp={dp or 'null'}",
             "parallel.dp_balance=depth"]
 

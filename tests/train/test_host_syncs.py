@@ -54,7 +54,8 @@ class SyncCounter(TorchDispatchMode):
 def overrides(shards, out_dir, dp: int) -> list[str]:
     """Per-sequence depths, micro-batches of 2 out of 8 rows: several micro-batches of different depths."""
     return fast_overrides(shards, out_dir, steps=STEPS) + [
-        "data.micro_batch_size=2", "train.val_every=1000", f"parallel.dp={dp}", "train.precision=fp64"]
+        "data.micro_batch_size=2", "data.val_batches=0", "train.val_every=1000", f"parallel.dp={dp}",
+        "train.precision=fp64"]
 
 
 def _origin(name: str, stack) -> str:
