@@ -1,16 +1,16 @@
 """Megaloop's trainer on parcae-tiny (20 steps, per-sequence depth sampling, gradient accumulation, Muon + AdamW,
 gloo) under tp2, dp2, tp2 x dp2, tp4 and dp4, and GPT and RDM under tp2 x dp2, against the single-process run.
 
-fp32: per-step losses within 1e-5 relative. Final parameters cannot be held to 1e-5 in fp32 by any layout: the
-reference's AdamW eps (1e-10) makes the update g / (|g| + eps) sensitive to a gradient's last bits wherever |g| is
-near eps (up to lr / (4 eps) per unit of gradient), and Muon's cautious weight decay is a step function of
-sign(update * param), so reduction-order roundings (~1e-7) grow to ~1e-3 of single entries within 20 steps. The
-single-process run itself moves that far when only its thread count changes (the measured noise floor below), so in
-fp32 a layout may change the parameters no more than twice that floor.
+fp64 (train.precision=fp64: parameters, activations and Polar Express in float64) is the proof: every layout gives
+the single-process per-step losses AND final parameters within 1e-12, so the parallel computation is the
+single-process one.
 
-fp64 (train.precision=fp64: parameters, activations and Polar Express in float64): the same runs give the
-single-process losses AND final parameters within 1e-5 (measured far below), which shows the parallel computation
-is the single-process one and the fp32 gap above is rounding, not an error of the layouts."""
+fp32 is a sanity bound only: per-step losses within 1e-5 relative, final parameters within 5e-3 relative. Parameters
+cannot be held tighter in fp32 by any layout: the reference's AdamW eps (1e-10) makes the update g / (|g| + eps)
+sensitive to a gradient's last bits wherever |g| is near eps (up to lr / (4 eps) per unit of gradient), and Muon's
+cautious weight decay is a step function of sign(update * param), so reduction-order roundings (~1e-7) grow to ~1e-3
+of single entries within 20 steps (measured: up to 1.6e-3 between one process on 1 and on 2 threads when the init
+still depended on the thread count)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,7 +24,9 @@ from tests.pipeline.workers_train import ReferenceRuntime, run, worker
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "parcae-tiny.yaml"  # shards: the tiny_shards fixture
 
-TOL = 1e-5
+TOL = 1e-12  # fp64: losses and parameters
+FP32_LOSS_TOL = 1e-5  # fp32 sanity bounds (see the module docstring)
+FP32_PARAM_TOL = 5e-3
 PRECISIONS = ("fp32", "fp64")
 ARCH = {
     "parcae": [],
@@ -86,8 +88,8 @@ def compare(label: str, precision: str, got: dict, ref: dict) -> None:
           f"{loss_err:.1e}, worst param err {worst[0]:.1e} ({worst[1]}{floor})")
     assert len(got["losses"]) == len(ref["losses"]) == 20
     assert all(p.dtype == (torch.float64 if precision == "fp64" else torch.float32) for p in got["params"].values())
-    assert loss_err <= TOL
-    assert worst[0] <= (TOL if precision == "fp64" else max(TOL, 2 * ref["floor"]))
+    assert loss_err <= (TOL if precision == "fp64" else FP32_LOSS_TOL)
+    assert worst[0] <= (TOL if precision == "fp64" else max(FP32_PARAM_TOL, 2 * ref["floor"]))
 
 
 @pytest.mark.multiproc
