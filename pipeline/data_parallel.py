@@ -54,12 +54,16 @@ def _columns(group: FlatGroup, index: int) -> list[tuple[int, int]]:
             for r in range(off // length, (off + n - 1) // length + 1)]
 
 
+def column_width(group: FlatGroup, bucket_bytes: float) -> int:
+    """Columns per bucket: about bucket_bytes over all chunks of the group."""
+    return max(1, int(bucket_bytes // (group.grad_flat.element_size() * group.dp)))
+
+
 def make_buckets(buffer: GradBuffer, bucket_bytes: float) -> list[_Bucket]:
     """Column-range buckets of at most about bucket_bytes each (over all chunks), per dtype group."""
     buckets = []
     for group in buffer.groups:
-        element = group.grad_flat.element_size() * group.dp
-        width = max(1, int(bucket_bytes // element))
+        width = column_width(group, bucket_bytes)
         first = len(buckets)
         buckets += [_Bucket(group, lo, min(lo + width, group.chunk_len))
                     for lo in range(0, group.chunk_len, width)]
@@ -79,7 +83,8 @@ class BufferReducer:
         self.buffer, self.group = buffer, group
         self.wire_dtype = WIRE_DTYPES[wire]
         self.scatter = buffer.dp > 1
-        self.buckets = make_buckets(buffer, bucket_mb * 2**20)
+        self.bucket_bytes = bucket_mb * 2**20
+        self.buckets = make_buckets(buffer, self.bucket_bytes)
         self._buckets_of: dict[int, list[_Bucket]] = {}
         for b in self.buckets:
             for pid in b.members:
@@ -90,6 +95,10 @@ class BufferReducer:
         self._hooks = []
         if group is not None:
             self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in buffer.params]
+
+    def bucket_width(self, group: FlatGroup) -> int:
+        """Columns per bucket of a dtype group (its all-gather uses the same ranges)."""
+        return column_width(group, self.bucket_bytes)
 
     # ---- overlap --------------------------------------------------------------------------------------------
     def overlap_next_backward(self) -> None:
@@ -132,7 +141,8 @@ class BufferReducer:
                 bucket.wire = mine.to(self.wire_dtype)
                 bucket.work = dist.all_reduce(bucket.wire, group=self.group, async_op=True)
         elif self.wire_dtype is None:
-            bucket.work = dist.reduce_scatter_single(mine, grads.contiguous().view(-1), group=self.group, async_op=True)
+            bucket.work = dist.reduce_scatter_single(mine, grads.contiguous().view(-1), group=self.group,
+                                                     async_op=True)
         else:
             send = grads.to(self.wire_dtype)
             bucket.wire = torch.empty_like(send)
@@ -140,21 +150,26 @@ class BufferReducer:
 
     def _finish(self, bucket: _Bucket) -> None:
         bucket.work.wait()
+        bucket.work = None
         if bucket.wire is None:
             return
         g = bucket.group
         mine = g.grad_flat.view(g.dp, g.chunk_len)[self.buffer.rank, bucket.lo:bucket.hi]
         received = bucket.wire.to(mine.dtype)
         mine.copy_(received if not self.scatter else received.sum(dim=0))
+        bucket.wire = None
 
     @torch.no_grad()
     def reduce(self) -> None:
-        """Finish the step's reduction: launch every bucket not yet launched (in bucket order) and wait for all."""
+        """Finish the step's reduction: wait for the buckets launched during the backward, then reduce the others
+        one at a time in bucket order (so that at most one bucket's wire copy is alive: a bucket spanning several
+        column ranges is copied to a contiguous [dp, width] tensor for the collective)."""
         if self.group is None:
             return
-        for index in range(self._next_launch, len(self.buckets)):
-            self._launch(self.buckets[index])
-        for bucket in self.buckets:
+        for bucket in self.buckets[:self._next_launch]:
+            self._finish(bucket)
+        for bucket in self.buckets[self._next_launch:]:
+            self._launch(bucket)
             self._finish(bucket)
         self._reset()
 

@@ -75,21 +75,35 @@ class OptimizerParts:
 
     @torch.no_grad()
     def end_update(self) -> None:
-        """The one all-gather per dtype of the updated chunks (nothing without sharding)."""
+        """The all-gather per dtype of the updated chunks (nothing without sharding), in column ranges of at most
+        the reducer's bucket size: one call when a bucket holds the whole chunk (then in place), else one per range
+        through a range-sized buffer, so no step holds a full-size copy on any backend."""
         if not self.sharded:
             return
+        width = self.runtime.reducer.bucket_width
         for index, g in enumerate(self.buffer.groups):
-            chunk = g.chunk(g.param_flat, self.buffer.rank)
-            if not self.bf16_updates:
-                dist.all_gather_single(g.param_flat, chunk, group=self.shard_group)
-                continue
-            old = self._old[index]
-            delta = (chunk - old).to(torch.bfloat16)
-            chunk.copy_(old)
-            deltas = torch.empty(g.param_flat.numel(), dtype=torch.bfloat16, device=delta.device)
-            dist.all_gather_single(deltas, delta, group=self.shard_group)
-            g.param_flat.add_(deltas)
+            for lo in range(0, g.chunk_len, width(g)):
+                self._gather_columns(g, index, lo, min(lo + width(g), g.chunk_len))
         self._old = []
+
+    def _gather_columns(self, g, index: int, lo: int, hi: int) -> None:
+        rank, group = self.buffer.rank, self.shard_group
+        params = g.param_flat.view(g.dp, g.chunk_len)
+        mine = params[rank, lo:hi]
+        if not self.bf16_updates:
+            if hi - lo == g.chunk_len:
+                dist.all_gather_single(g.param_flat, mine, group=group)
+                return
+            gathered = torch.empty((g.dp, hi - lo), dtype=mine.dtype, device=mine.device)
+            dist.all_gather_single(gathered.view(-1), mine, group=group)
+            params[:, lo:hi].copy_(gathered)
+            return
+        old = self._old[index][lo:hi]
+        delta = (mine - old).to(torch.bfloat16)
+        mine.copy_(old)  # every rank, the owner too, adds the same bf16 delta to the same old values
+        deltas = torch.empty((g.dp, hi - lo), dtype=torch.bfloat16, device=mine.device)
+        dist.all_gather_single(deltas.view(-1), delta, group=group)
+        params[:, lo:hi].add_(deltas)
 
     def zero_grad(self) -> None:
         self.buffer.zero_grad()
