@@ -9,10 +9,11 @@ what depends on the layout:
 - :meth:`grads_to_clip` gives the gradient pieces this rank holds summed (its chunk) and :meth:`norm_sq_reduce`
   turns their sum of squares into the global one: one scalar all-reduce over dp, then tp and pp, with parameters
   replicated over tp counted on tp rank 0 only;
-- :meth:`begin_update` / :meth:`end_update` bracket the inner steps: end_update runs the ONE all-gather per dtype of
-  the updated chunks. With gradient reduction in fp32 it carries the new parameters (exact); in bf16 it carries the
-  updates (new - old) in bf16, which every rank, the owner included, adds to its old values, so replicas stay
-  bit-identical while the all-gather moves half the bytes;
+- :meth:`begin_update` / :meth:`end_update` bracket the inner steps: end_update runs the all-gather per dtype of
+  the updated chunks (one call while a gradient bucket holds a whole chunk, else one per bucket-sized column range).
+  With gradient reduction in fp32 it carries the new parameters (exact); in bf16 it carries the updates
+  (new - old) in bf16, which every rank, the owner included, adds to its old values, so replicas stay bit-identical
+  while the all-gather moves half the bytes;
 - :meth:`zero_grad` zeroes the buffer in place (the .grad views stay attached).
 """
 from __future__ import annotations
