@@ -88,31 +88,42 @@ def test_tp_halves_the_split_activations():
     assert 0.5 < (two.stored - two.weight_copies) / (one.stored - one.weight_copies) < 0.6
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "megaloop", "plan", *args], cwd=REPO, capture_output=True,
-                          text=True)
+def _cli(capsys, *args):
+    """Run `python -m megaloop plan ARGS` in this process: (exit code, stdout, stderr)."""
+    from megaloop.__main__ import main
+
+    code = main(["plan", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
-def test_cli_json_and_text():
-    out = _cli(str(TINY), "--gpu", "a100", "--nodes", "1", "--gpus-per-node", "2", "--set", "parallel.tp=2", "--json")
-    assert out.returncode == 0, out.stderr
-    plan = json.loads(out.stdout)
+def test_cli_json_and_text(capsys):
+    code, out, err = _cli(capsys, str(TINY), "--gpu", "a100", "--nodes", "1", "--gpus-per-node", "2", "--set",
+                          "parallel.tp=2", "--json")
+    assert code == 0, err
+    plan = json.loads(out)
     assert plan["layout"]["tp"] == 2 and plan["layout"]["dp"] == 1
     for ck in ("none", "block", "lap"):
         setting = plan["settings"][ck]
         assert setting["at_largest"]["peak_bytes"] <= plan["gpu"]["usable_bytes"]
         assert setting["largest_micro_batch"] >= 1
-    text = _cli(str(TINY), "--gpu", "h200", "--nodes", "2", "--gpus-per-node", "4", "--set",
-                "data.global_batch_size=64")
-    assert text.returncode == 0, text.stderr
-    assert "8 x H200 141GB" in text.stdout and "largest micro-batch that fits" in text.stdout
+    code, out, err = _cli(capsys, str(TINY), "--gpu", "h200", "--nodes", "2", "--gpus-per-node", "4", "--set",
+                          "data.global_batch_size=64")
+    assert code == 0, err
+    assert "8 x H200 141GB" in out and "largest micro-batch that fits" in out
 
 
-def test_cli_refuses_pp_and_bad_layouts():
-    out = _cli(str(TINY), "--nodes", "1", "--gpus-per-node", "2", "--pp", "2")
-    assert out.returncode == 2 and "later step" in out.stderr
-    out = _cli(str(TINY), "--nodes", "1", "--gpus-per-node", "3", "--set", "parallel.tp=2")
-    assert out.returncode == 2 and "parallel.tp" in out.stderr
+def test_cli_refuses_pp_and_bad_layouts(capsys):
+    code, _, err = _cli(capsys, str(TINY), "--nodes", "1", "--gpus-per-node", "2", "--pp", "2")
+    assert code == 2 and "later step" in err
+    code, _, err = _cli(capsys, str(TINY), "--nodes", "1", "--gpus-per-node", "3", "--set", "parallel.tp=2")
+    assert code == 2 and "parallel.tp" in err
+
+
+def test_command_runs_as_a_module():
+    out = subprocess.run([sys.executable, "-m", "megaloop", "plan", "--help"], cwd=REPO, capture_output=True,
+                         text=True)
+    assert out.returncode == 0 and "--gpus-per-node" in out.stdout
 
 
 def test_resolve_layout_checks_tp_against_the_model():
