@@ -1,0 +1,273 @@
+"""Runs one rank's ring-pipeline action list with torch.distributed point-to-point operations.
+
+`RingExecutor(program, group).run(actions, specs)` executes the list that `pipeline.ring.ring_schedule` (or any
+schedule over the same actions) made for this rank, in order:
+
+- a run of consecutive Sends and Recvs goes out as one `batch_isend_irecv` over the pp process group (peers are
+  the group's global ranks, in ring order); Sends stay in flight (their tensors are kept until they complete),
+  Recvs are waited for before the next compute action. A Recv's buffer has the shape `program.message_shape` gives
+  (the state leaving that lap, or its gradient); with `check_messages` every message is preceded by a small header
+  naming it, so a Recv that does not match its channel's next Send fails with both names. A peer that never sends
+  fails at the process group's timeout instead of hanging; the error says which Recv waited.
+- Forward with grad=False runs under `torch.no_grad` and stores nothing; with grad=True its input is a leaf that
+  requires grad (except the state entering a micro-batch's first kept lap, whose gradient truncated backprop drops)
+  and input and output are stored until its Backward, which calls `torch.autograd.backward(output, gradient)` and
+  hands on the input's gradient; stored tensors are freed as soon as their backward ran.
+- Rank 0 keeps e from Embed as a leaf for the kept laps, so its gradient accumulates over them; EmbedBackward
+  back-propagates that sum through the embedding and prelude.
+
+`run` returns the per-micro-batch losses (last rank), per-action wall times (for `measured_costs` and the
+simulator) and the peak stored tensors and autograd-saved bytes of this rank.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from pipeline.ring.actions import (
+    Action,
+    Backward,
+    Compute,
+    Embed,
+    EmbedBackward,
+    Forward,
+    Loss,
+    LossBackward,
+    Message,
+    MicroBatch,
+    Recv,
+    Send,
+    label,
+)
+from pipeline.ring.p2p import neighbours
+from pipeline.ring.program import StageProgram
+from pipeline.ring.saved import SavedBytes
+
+_KINDS = {Embed: 0, Forward: 1, Loss: 2, LossBackward: 3, Backward: 4, EmbedBackward: 5}
+
+
+class ExecutionError(RuntimeError):
+    """An action list that cannot run on this rank; the message names the rank and the action."""
+
+
+@dataclass
+class ExecResult:
+    """What one rank did: losses[mb] (last rank only), timings (action, start, end) of every compute action in
+    `time.perf_counter` seconds, peak_stored (most stored tensor groups at once: a kept lap's input and output, the
+    loss's input and value, an open micro-batch's e) and peak_saved_bytes (autograd's saved tensors)."""
+
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    timings: list[tuple[Compute, float, float]] = field(default_factory=list)
+    peak_stored: int = 0
+    peak_saved_bytes: int = 0
+
+
+_HEADER = 12
+
+
+def header(message: Message, shape: Sequence[int]) -> torch.Tensor:
+    """The int64 header naming a message: kind, micro-batch, lap, stage (-1 where the action has none), the number
+    of dimensions and the shape (up to 7 dimensions, padded with -1)."""
+    producer = message.producer
+    shape = list(shape)
+    if len(shape) > _HEADER - 5:
+        raise ExecutionError(f"message shapes of at most {_HEADER - 5} dimensions can be checked, got {shape}")
+    return torch.tensor([_KINDS[type(producer)], producer.mb, getattr(producer, "lap", -1),
+                         getattr(producer, "stage", -1), len(shape)] + shape + [-1] * (_HEADER - 5 - len(shape)),
+                        dtype=torch.int64)
+
+
+def _describe(head: torch.Tensor) -> str:
+    kind, mb, lap, stage, ndim, *shape = head.tolist()
+    names = {v: k.__name__ for k, v in _KINDS.items()}
+    return f"{names.get(kind, kind)}(mb={mb}, lap={lap}, stage={stage}) of shape {tuple(shape[:ndim])}"
+
+
+class RingExecutor:
+    """Runs ring-pipeline action lists for one rank of the pp process group `group` (default: the world); this
+    rank's ring position is its rank in the group. Messages have `dtype` and live on `device`."""
+
+    def __init__(self, program: StageProgram, group: Optional[dist.ProcessGroup] = None,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 check_messages: bool = False):
+        self.program, self.group, self.dtype, self.device = program, group, dtype, torch.device(device)
+        self.check_messages = check_messages
+        self.ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        self.rank = dist.get_rank(group)
+        self.pp = len(self.ranks)
+
+    def run(self, actions: Sequence[Action], specs: Sequence[MicroBatch]) -> ExecResult:
+        """Executes this rank's `actions` for the micro-batches `specs` (one optimizer step's forward and backward;
+        parameter gradients accumulate in `.grad`)."""
+        self.before, _ = neighbours(specs, self.pp)
+        self.specs = list(specs)
+        self.values: dict[Compute, Optional[torch.Tensor]] = {}
+        self.stored: dict[Compute, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.embeds: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.sends: list[tuple[dist.Work, list[torch.Tensor]]] = []
+        self.result, self.saved = ExecResult(), SavedBytes()
+        with self.saved.track():
+            i = 0
+            while i < len(actions):
+                j = i
+                while j < len(actions) and isinstance(actions[j], (Send, Recv)):
+                    j += 1
+                if j > i:
+                    self._communicate(actions[i:j])
+                    i = j
+                    continue
+                self._compute(actions[i])
+                i += 1
+            self._finish_sends()
+        self.result.peak_saved_bytes = self.saved.peak
+        return self.result
+
+    # communication -------------------------------------------------------------------------------------------
+
+    def _communicate(self, batch: Sequence[Action]) -> None:
+        kept: list[torch.Tensor] = []
+        ops = [op for action in batch if isinstance(action, Send) for op in self._send_ops(action, kept)]
+        recvs = [action for action in batch if isinstance(action, Recv)]
+        if self.check_messages:  # sends in flight first, then each receive's header checked before its payload
+            self._post(ops, kept, batch)
+            for action in recvs:
+                self._post([self._recv_op(action, check=True)], [], batch)
+            return
+        self._post(ops + [self._recv_op(action) for action in recvs], kept, batch)
+
+    def _post(self, ops: list[dist.P2POp], kept: list[torch.Tensor], batch: Sequence[Action]) -> None:
+        if not ops:
+            return
+        works = dist.batch_isend_irecv(ops)
+        if len(works) == len(ops):  # one work per op (gloo): wait for the receives only, sends stay in flight
+            self.sends.append(([w for w, op in zip(works, ops) if op.op is dist.isend], kept))
+            works = [w for w, op in zip(works, ops) if op.op is dist.irecv]
+        else:  # a coalescing backend (NCCL) returns one work for the whole batch
+            self.sends.append(([], kept))
+        for work in works:
+            self._wait(work, batch)
+
+    def _send_ops(self, action: Send, kept: list) -> list[dist.P2POp]:
+        producer = action.message.producer
+        if producer not in self.values:
+            raise ExecutionError(f"rank {self.rank}: {label(action)} before {label(producer)} ran on this rank")
+        tensor = self.values.pop(producer).contiguous()
+        peer = self.ranks[action.dst]
+        tensors = ([header(action.message, tensor.shape)] if self.check_messages else []) + [tensor]
+        kept += tensors
+        return [dist.P2POp(dist.isend, t, peer, self.group) for t in tensors]
+
+    def _recv_op(self, action: Recv, check: bool = False) -> dist.P2POp:
+        """The irecv of `action`'s payload; with `check`, first receive its header and compare it."""
+        shape = self._shape(action.message)
+        if check:
+            head = header(action.message, shape)
+            got = torch.empty_like(head)
+            op = dist.P2POp(dist.irecv, got, self.ranks[action.src], self.group)
+            self._wait(dist.batch_isend_irecv([op])[0], [action])
+            if not torch.equal(got, head):
+                raise ExecutionError(f"rank {self.rank}: {label(action)} expects {_describe(head)} but rank "
+                                     f"{action.src} sent {_describe(got)}: this rank's Recvs do not follow rank "
+                                     f"{action.src}'s Send order, or the program's message_shape disagrees "
+                                     f"between ranks; check the schedule with pipeline.ring.simulate")
+        buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.values[action.message.producer] = buffer
+        return dist.P2POp(dist.irecv, buffer, self.ranks[action.src], self.group)
+
+    def _shape(self, message: Message) -> tuple[int, ...]:
+        producer = message.producer
+        if isinstance(producer, Forward):
+            return tuple(self.program.message_shape(producer.mb, producer.lap))
+        if isinstance(producer, Backward) and producer.stage > 0:
+            return tuple(self.program.message_shape(producer.mb, producer.lap))
+        if isinstance(producer, Backward):
+            return tuple(self.program.message_shape(producer.mb, producer.lap - 1))
+        raise ExecutionError(f"rank {self.rank}: {label(producer)}'s output never travels between ranks")
+
+    def _wait(self, work, batch) -> None:
+        try:
+            work.wait()
+        except RuntimeError as err:
+            names = ", ".join(label(a) for a in batch)
+            raise ExecutionError(f"rank {self.rank}: point-to-point batch [{names}] failed ({err}). A Recv whose "
+                                 f"shape or order does not match its peer's Send, or a peer that never sends, ends "
+                                 f"here; check the schedule with pipeline.ring.simulate and the program's "
+                                 f"message_shape") from err
+
+    def _finish_sends(self) -> None:
+        for works, _ in self.sends:
+            for work in works:
+                self._wait(work, [])
+        self.sends.clear()
+
+    # compute -------------------------------------------------------------------------------------------------
+
+    def _compute(self, action: Action) -> None:
+        handler = {Embed: self._embed, Forward: self._forward, Loss: self._loss, LossBackward: self._loss_backward,
+                   Backward: self._backward, EmbedBackward: self._embed_backward}.get(type(action))
+        if handler is None:
+            raise ExecutionError(f"rank {self.rank}: {action!r} is not a ring-schedule action")
+        start = time.perf_counter()
+        handler(action)
+        self.result.timings.append((action, start, time.perf_counter()))
+        stored = len(self.stored) + len(self.embeds)
+        self.result.peak_stored = max(self.result.peak_stored, stored)
+        self._reap_sends()
+
+    def _input(self, action: Compute) -> Optional[torch.Tensor]:
+        producer = self.before[action]
+        if producer not in self.values:
+            raise ExecutionError(f"rank {self.rank}: {label(action)} runs before it has the output of "
+                                 f"{label(producer)} (a missing Recv, or an order the schedule does not allow)")
+        return self.values.pop(producer)
+
+    def _embed(self, action: Embed) -> None:
+        e, h0 = self.program.embed(action.mb)
+        self.embeds[action.mb] = (e, e.detach().requires_grad_(e.requires_grad))
+        self.values[action] = h0.detach()
+
+    def _forward(self, action: Forward) -> None:
+        h = self._input(action)
+        e = None
+        if action.stage == 0:
+            e_graph, e_leaf = self.embeds[action.mb]
+            e = e_leaf if action.grad else e_leaf.detach()
+        if not action.grad:
+            with torch.no_grad():
+                self.values[action] = self.program.lap_segment(action.mb, action.lap, h, e)
+            return
+        first = action.stage == 0 and action.lap == self.specs[action.mb].first_grad_lap
+        h = h.detach().requires_grad_(not first)
+        out = self.program.lap_segment(action.mb, action.lap, h, e)
+        self.stored[action] = (h, out)
+        self.values[action] = out.detach()
+
+    def _loss(self, action: Loss) -> None:
+        h = self._input(action).detach().requires_grad_(True)
+        loss = self.program.loss(action.mb, h)
+        self.stored[action] = (h, loss)
+        self.result.losses[action.mb] = loss.detach()
+
+    def _loss_backward(self, action: LossBackward) -> None:
+        h, loss = self.stored.pop(Loss(action.mb))
+        torch.autograd.backward(loss)
+        self.values[action] = h.grad
+
+    def _backward(self, action: Backward) -> None:
+        grad = self._input(action)
+        h, out = self.stored.pop(Forward(action.mb, action.lap, action.stage, True))
+        torch.autograd.backward(out, grad)
+        self.values[action] = h.grad if h.requires_grad else None
+
+    def _embed_backward(self, action: EmbedBackward) -> None:
+        self._input(action)  # the dropped gradient of the state entering the first kept lap
+        e, e_leaf = self.embeds.pop(action.mb)
+        if e.requires_grad and e_leaf.grad is not None:
+            torch.autograd.backward(e, e_leaf.grad)
+
+    def _reap_sends(self) -> None:
+        self.sends = [(works, kept) for works, kept in self.sends if not all(w.is_completed() for w in works)]
