@@ -5,8 +5,6 @@ pipeline groups), so the loop itself has no parallel code.
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
 
@@ -39,9 +37,6 @@ class SingleProcessRuntime:
         return value
 
     def reduce_gradients(self, model: torch.nn.Module) -> None:
-        return None
-
-    def norm_sq_reduce(self) -> Callable | None:
         return None
 
     def mean_over_dp(self, value: float) -> float:
