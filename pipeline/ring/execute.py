@@ -57,11 +57,12 @@ class ExecutionError(RuntimeError):
 @dataclass
 class ExecResult:
     """What one rank did: losses[mb] (last rank only), timings (action, start, end) of every compute action in
-    `time.perf_counter` seconds, peak_stored (most stored tensor groups at once: a kept lap's input and output, the
+    `time.perf_counter` seconds, recvs (message, posted, arrived) of every Recv, peak_stored (most stored tensor groups at once: a kept lap's input and output, the
     loss's input and value, an open micro-batch's e) and peak_saved_bytes (autograd's saved tensors)."""
 
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     timings: list[tuple[Compute, float, float]] = field(default_factory=list)
+    recvs: list[tuple[Message, float, float]] = field(default_factory=list)
     peak_stored: int = 0
     peak_saved_bytes: int = 0
 
@@ -135,9 +136,13 @@ class RingExecutor:
         if self.check_messages:  # sends in flight first, then each receive's header checked before its payload
             self._post(ops, kept, batch)
             for action in recvs:
+                posted = time.perf_counter()
                 self._post([self._recv_op(action, check=True)], [], batch)
+                self.result.recvs.append((action.message, posted, time.perf_counter()))
             return
+        posted = time.perf_counter()
         self._post(ops + [self._recv_op(action) for action in recvs], kept, batch)
+        self.result.recvs += [(action.message, posted, time.perf_counter()) for action in recvs]
 
     def _post(self, ops: list[dist.P2POp], kept: list[torch.Tensor], batch: Sequence[Action]) -> None:
         if not ops:
