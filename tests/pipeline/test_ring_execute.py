@@ -1,8 +1,9 @@
-"""The ring-pipeline executor runs a toy looped model at pp 2 and 4 exactly as one process does (fp64, 1e-12):
+"""The ring-pipeline executor runs a toy looped model at pp 1, 2 and 4 exactly as one process does (fp64, 1e-12):
 per-micro-batch losses and every parameter's gradient, for micro-batches of different lap counts, row counts and
-kept laps (truncated backprop). Stored tensors and autograd-saved bytes per rank do not grow with the number of
-laps without autograd. A Recv out of its channel's order, or of the wrong shape, fails with a clear error instead
-of hanging.
+kept laps (truncated backprop), also under a ragged loop whose messages shrink from lap to lap. Stored tensor groups
+per rank equal the simulator's stored units, and at pp 2 and 4 autograd-saved bytes per rank do not grow with the
+number of laps without autograd (4, 16, 64 laps). A Recv out of its channel's order or of the wrong shape, and one
+whose message never comes, fail with an error naming the Recv instead of hanging.
 
 The toy: e = tanh(prelude(embedding(ids))); h_0 fixed noise; each lap h = core(a * h + B e) with the core's LAYERS
 Linear+tanh layers (shared by all laps) split into pp consecutive segments; loss = cross-entropy(head(h)) / m.
@@ -83,10 +84,38 @@ class ToyProgram:
         return tuple(self.batches[mb][2].shape)
 
 
-def reference(specs):
+class RaggedProgram(ToyProgram):
+    """The toy under a ragged loop: lap l of a micro-batch runs its first max(1, 3 - l) rows (stage 0 takes that
+    prefix of the previous lap's state and of e), and the loss covers the rows of its last lap; messages shrink
+    from lap to lap, so a gradient sent back to the previous lap has that lap's (larger) shape."""
+
+    def active(self, lap):
+        return max(1, self.batches[0][2].shape[0] - lap)
+
+    def lap_segment(self, mb, lap, h, e):
+        if e is not None:
+            rows = self.active(lap)
+            h, e = h[:rows], e[:rows]
+        return super().lap_segment(mb, lap, h, e)
+
+    def loss(self, mb, h):
+        labels = self.batches[mb][1][:h.shape[0]]
+        logits = self.model.head(h)
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)) / self.m
+
+    def message_shape(self, mb, lap):
+        return (self.active(lap),) + tuple(self.batches[mb][2].shape[1:])
+
+
+def batches_for(program, n: int) -> list:
+    """Ragged micro-batches all have 3 rows (they shrink with the laps), the others 1 + mb % 3."""
+    return [batch(mb, rows=3 if program is RaggedProgram else None) for mb in range(n)]
+
+
+def reference(specs, program=ToyProgram):
     """One process, a plain Python loop: losses and gradients."""
     model = ToyLoop().double()
-    program = ToyProgram(model, 0, 1, len(specs), [batch(mb) for mb in range(len(specs))])
+    program = program(model, 0, 1, len(specs), batches_for(program, len(specs)))
     losses = []
     for mb, spec in enumerate(specs):
         e, h = program.embed(mb)
@@ -104,7 +133,7 @@ def reference(specs):
 
 def run_rank(rank, pp, specs, check_messages=False, actions=None, program=ToyProgram):
     model = ToyLoop().double()
-    program = program(model, rank, pp, len(specs), [batch(mb) for mb in range(len(specs))])
+    program = program(model, rank, pp, len(specs), batches_for(program, len(specs)))
     actions = ring_schedule(specs, pp, max_in_flight=2)[rank] if actions is None else actions
     result = RingExecutor(program, dtype=torch.float64, check_messages=check_messages).run(actions, specs)
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
@@ -119,27 +148,31 @@ def memory_specs(laps: int) -> list[MicroBatch]:
 def worker(rank, world, out):
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     result, grads = run_rank(rank, world, SPECS, check_messages=True)
+    ragged, ragged_grads = run_rank(rank, world, SPECS, program=RaggedProgram)
     memory = {}
     for n in LAP_COUNTS:
         got, _ = run_rank(rank, world, memory_specs(n))
         memory[n] = (got.peak_stored, got.peak_saved_bytes)
-    torch.save({"losses": result.losses, "grads": grads, "memory": memory}, f"{out}.{rank}")
+    torch.save({"losses": result.losses, "grads": grads, "memory": memory, "ragged": ragged.losses,
+                "ragged_grads": ragged_grads}, f"{out}.{rank}")
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("pp", [1, 2, 4])
 def test_executor_equals_single_process(pp, tmp_path):
     out = str(tmp_path / "ring")
     spawn(worker, pp, out)
     parts = [torch.load(f"{out}.{rank}") for rank in range(pp)]
-    ref_losses, ref_grads = reference(SPECS)
-    losses = torch.stack([parts[-1]["losses"][mb] for mb in range(len(SPECS))])
-    loss_err = float((losses - ref_losses).abs().max())
-    owners = {n: [r for r, part in enumerate(parts) if n in part["grads"]] for n in ref_grads}
-    assert all(len(o) == 1 for o in owners.values()), f"each parameter's gradient on exactly one rank: {owners}"
-    grad_err = max(float((parts[o[0]]["grads"][n] - ref_grads[n]).abs().max()) for n, o in owners.items())
-    print(f"pp={pp}: max |loss - reference| {loss_err:.1e}, max |grad - reference| {grad_err:.1e}")
-    assert loss_err <= TOL and grad_err <= TOL
+    for program, losses, grads in ((ToyProgram, "losses", "grads"), (RaggedProgram, "ragged", "ragged_grads")):
+        ref_losses, ref_grads = reference(SPECS, program)
+        got = torch.stack([parts[-1][losses][mb] for mb in range(len(SPECS))])
+        loss_err = float((got - ref_losses).abs().max())
+        owners = {n: [r for r, part in enumerate(parts) if n in part[grads]] for n in ref_grads}
+        assert all(len(o) == 1 for o in owners.values()), f"each parameter's gradient on exactly one rank: {owners}"
+        grad_err = max(float((parts[o[0]][grads][n] - ref_grads[n]).abs().max()) for n, o in owners.items())
+        print(f"pp={pp} {program.__name__}: max |loss - reference| {loss_err:.1e}, max |grad - reference| "
+              f"{grad_err:.1e} (losses {[round(float(v), 4) for v in ref_losses]})")
+        assert loss_err <= TOL and grad_err <= TOL
     simulated = {n: simulate(ring_schedule(memory_specs(n), pp, max_in_flight=2), memory_specs(n)).peak_stored
                  for n in LAP_COUNTS}
     for rank, part in enumerate(parts):
@@ -148,7 +181,8 @@ def test_executor_equals_single_process(pp, tmp_path):
               f"{ {n: (m[0], simulated[n][rank], m[1]) for n, m in mem.items()} }")
         assert all(mem[n][0] == simulated[n][rank] for n in LAP_COUNTS), "stored groups differ from the simulator"
         saved = [m[1] for m in mem.values()]
-        assert max(saved) <= 1.1 * min(saved), "autograd-saved bytes grow with the laps without autograd"
+        if pp > 1:  # on one rank the planner keeps more micro-batches open when their chains are longer
+            assert max(saved) <= 1.1 * min(saved), "autograd-saved bytes grow with the laps without autograd"
 
 
 class WrongShape(ToyProgram):
