@@ -6,7 +6,10 @@ additive: u = h + e (A = I, marginally stable).  concat (RDM / Huginn): u = W [h
 
 The loop splits u into a term of e, computed once per forward (input_term: Delta * (B e), W_2 e or e), and the
 per-lap step(h, term, coeffs) with coeffs = state_coeffs() also computed once per forward (A_bar for diagonal).
-rho_tensor() is the spectral radius as a detached 0-dim tensor, for telemetry without a host sync.
+Both go through the module call, `injection(None, e)` -> (term, coeffs) once and `injection(h, prepared=(term,
+coeffs))` per lap, never through the methods directly: engines that gather a module's parameters only around its
+forward (DeepSpeed ZeRO-3) must see every use of them. rho_tensor() is the spectral radius as a detached 0-dim
+tensor, for telemetry without a host sync.
 """
 from __future__ import annotations
 
@@ -39,8 +42,8 @@ class DiagonalInjection(nn.Module):
         capped = a_bar.clamp(max=_BELOW_ONE)
         return a_bar + (capped - a_bar).detach(), delta
 
-    def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-        return self.step(h, self.input_term(e), self.state_coeffs())
+    def forward(self, h: torch.Tensor | None, e: torch.Tensor | None = None, prepared=None):
+        return _inject(self, h, e, prepared)
 
     def input_term(self, e: torch.Tensor) -> torch.Tensor:
         """Delta * (B e), the part of u that does not depend on h."""
@@ -62,8 +65,8 @@ class DiagonalInjection(nn.Module):
 
 
 class AdditiveInjection(nn.Module):
-    def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-        return h + e
+    def forward(self, h: torch.Tensor | None, e: torch.Tensor | None = None, prepared=None):
+        return _inject(self, h, e, prepared)
 
     def input_term(self, e: torch.Tensor) -> torch.Tensor:
         return e
@@ -88,8 +91,8 @@ class ConcatInjection(nn.Module):
         self.W = nn.Linear(2 * d, d, bias=False)
         self._rho_cache: tuple[int, float] | None = None
 
-    def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-        return self.W(torch.cat([h, e], dim=-1))
+    def forward(self, h: torch.Tensor | None, e: torch.Tensor | None = None, prepared=None):
+        return _inject(self, h, e, prepared)
 
     def input_term(self, e: torch.Tensor) -> torch.Tensor:
         """W_2 e, the part of u that does not depend on h."""
@@ -113,6 +116,15 @@ class ConcatInjection(nn.Module):
             w1 = self.W.weight[:, : self.d].detach().double().cpu()
             self._rho_cache = (version, float(torch.linalg.eigvals(w1).abs().max()))
         return self._rho_cache[1]
+
+
+def _inject(module: nn.Module, h, e, prepared):
+    """The forward of every injection: h None -> (term of e, state coefficients), computed once per model forward;
+    otherwise u = step(h, term, coeffs) from `prepared` (or from e, computing the term on the spot)."""
+    if h is None:
+        return module.input_term(e), module.state_coeffs()
+    term, coeffs = prepared if prepared is not None else (module.input_term(e), module.state_coeffs())
+    return module.step(h, term, coeffs)
 
 
 def build_injection(kind: str, d: int) -> nn.Module | None:

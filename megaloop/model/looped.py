@@ -137,7 +137,7 @@ class LoopedLM(nn.Module):
         return x
 
     def _lap_body(self, h, term, coeffs, cos, sin, *core_ve) -> torch.Tensor:
-        return self.core_pass(self.injection.step(h, term, coeffs), (cos, sin), core_ve)
+        return self.core_pass(self.injection(h, prepared=(term, coeffs)), (cos, sin), core_ve)
 
     def lap_function(self, ctx: LoopContext, coeffs):
         """lap(h, term, *core_ve) -> h' on a block of rows: the injection's per-lap step with the precomputed term
@@ -188,9 +188,10 @@ class LoopedLM(nn.Module):
     def _loop(self, e: torch.Tensor, ctx: LoopContext, plan: DepthPlan, h0, noise_key):
         if h0 is None:
             h0 = self.initial_state(e, noise_key)
-        lap = self.lap_function(ctx, self.injection.state_coeffs())
+        term, coeffs = self.injection(None, e)  # once per forward, through the module call
+        lap = self.lap_function(ctx, coeffs)
         run = run_loop if self.ragged_loop else run_loop_masked
-        result = run(lap, h0.to(e.dtype), [self.injection.input_term(e), *ctx.core_ve], plan)
+        result = run(lap, h0.to(e.dtype), [term, *ctx.core_ve], plan)
         telemetry = loop_telemetry(result, plan)
         telemetry["rho_A"] = self.injection.rho_tensor()
         if self.cfg.injection == "concat":
