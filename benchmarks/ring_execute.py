@@ -16,8 +16,10 @@ does not capture and which is what remains between the simulated and measured id
 The machine the project is developed on has 2 cores shared by several people: a step's wall time swings with
 their load (the load average is printed), so several steps are printed (their spread is the noise) and the
 comparison uses their median. Measured there (pp 2, defaults): idle fraction simulated 0.19, measured 0.25
-(steps 0.243-0.251, load 1.2): 22% apart, just outside the 20% target; under heavier load the measured one rose
-to 0.26-0.32 (30-36% apart), all of the extra in late starts.
+(steps 0.243-0.251, load 1.2): 22% apart, just outside the 20% target; under heavier load (1.7-2.5) the measured
+one rose to 0.25-0.31 (28-44% apart), and with 8 layers per stage it was 0.167 against 0.127 (24%): the extra is
+in the late starts, while the simulation with each action's own duration stays near the one with the means. With
+async sends waited for right after posting, the run deadlocks: sends must stay in flight.
 
 Usage (from the repository root):
 
