@@ -7,8 +7,11 @@ schedule over the same actions) made for this rank, in order:
   the group's global ranks, in ring order); Sends stay in flight (their tensors are kept until they complete),
   Recvs are waited for before the next compute action. A Recv's buffer has the shape `program.message_shape` gives
   (the state leaving that lap, or its gradient); with `check_messages` every message is preceded by a small header
-  naming it, so a Recv that does not match its channel's next Send fails with both names. A peer that never sends
-  fails at the process group's timeout instead of hanging; the error says which Recv waited.
+  naming it and its shape, received and compared before the payload, so a Recv that does not match its channel's
+  next Send (or expects another shape) fails with both names. Without it, gloo aborts the process on a size
+  mismatch ("Received data size doesn't match expected size") and a swapped message of the same shape goes
+  unnoticed: check new schedules and programs with `check_messages=True`. A peer that never sends fails at the
+  process group's timeout instead of hanging; the error says which Recv waited.
 - Forward with grad=False runs under `torch.no_grad` and stores nothing; with grad=True its input is a leaf that
   requires grad (except the state entering a micro-batch's first kept lap, whose gradient truncated backprop drops)
   and input and output are stored until its Backward, which calls `torch.autograd.backward(output, gradient)` and
@@ -16,8 +19,8 @@ schedule over the same actions) made for this rank, in order:
 - Rank 0 keeps e from Embed as a leaf for the kept laps, so its gradient accumulates over them; EmbedBackward
   back-propagates that sum through the embedding and prelude.
 
-`run` returns the per-micro-batch losses (last rank), per-action wall times (for `measured_costs` and the
-simulator) and the peak stored tensors and autograd-saved bytes of this rank.
+`run` returns the per-micro-batch losses (last rank), per-action wall times (benchmarks/ring_execute.py turns
+them into a `CostModel` for the simulator) and the peak stored tensors and autograd-saved bytes of this rank.
 """
 from __future__ import annotations
 
@@ -109,7 +112,7 @@ class RingExecutor:
         self.values: dict[Compute, Optional[torch.Tensor]] = {}
         self.stored: dict[Compute, tuple[torch.Tensor, torch.Tensor]] = {}
         self.embeds: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.sends: list[tuple[dist.Work, list[torch.Tensor]]] = []
+        self.sends: list[tuple[list[dist.Work], list[torch.Tensor]]] = []
         self.result, self.saved = ExecResult(), SavedBytes()
         with self.saved.track():
             i = 0
