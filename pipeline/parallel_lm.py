@@ -64,11 +64,6 @@ class ParallelLM:
                                                     vocab_start=self.tp_info.vocab_range[0])
         return out
 
-    def loss_per_token(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Per-token cross-entropy from (vocabulary-split) logits, 0 at ignored labels."""
-        start = self.tp_info.vocab_range[0] if self.tp_info.vocab_range else 0
-        return vocab_parallel_cross_entropy(logits, labels, self.layout, vocab_start=start, reduction="none")
-
 
 def _sequence_parallel_initial_state(draw, tp: int, group):
     """Wrap a model's initial_state(e, noise_key): draw h_0 for the whole sequence (tp x e's local positions)

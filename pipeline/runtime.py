@@ -119,9 +119,6 @@ class ParallelRuntime:
         t = torch.tensor([float(value)], dtype=torch.float64, device=self._comm_device())
         return float(all_reduce_(t, self.layout.dp_group)[0])
 
-    def mean_over_dp(self, value: float) -> float:
-        return self.sum_over_dp(value) / self.layout.dp
-
     tp_size = property(lambda self: self.layout.tp)
 
     def sum_stats(self, values: torch.Tensor) -> torch.Tensor:

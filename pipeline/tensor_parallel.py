@@ -75,9 +75,6 @@ class TensorParallelInfo:
     replicated: list[str] = field(default_factory=list)
     vocab_range: tuple[int, int] | None = None
 
-    def is_split(self, name: str) -> bool:
-        return name in self.shards
-
 
 def _matching_styles(name: str, plan) -> list[str]:
     styles = [style for pattern, style in plan if fnmatch.fnmatchcase(name, pattern)]
@@ -182,11 +179,6 @@ def _check_coverage(model: nn.Module, covered: set[str], info: TensorParallelInf
     if missing:
         raise ValueError(f"tensor-parallel plan covers no rule for parameters {missing[:8]}; add the module to "
                          "the plan (column/row/vocab/replicate-sequence-parallel)")
-
-
-def local_vocab_range(info: TensorParallelInfo, vocab_size: int) -> tuple[int, int]:
-    """[start, end) of the vocabulary rows this rank holds (the whole vocabulary without tensor parallelism)."""
-    return info.vocab_range if info.vocab_range is not None else (0, vocab_size)
 
 
 @torch.no_grad()

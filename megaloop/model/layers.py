@@ -97,7 +97,3 @@ def scaled_orthogonal_(t: torch.Tensor, std: float, generator: torch.Generator |
     """Truncated orthogonal with gain std * sqrt(max(rows, cols)), so that entries have std ~ `std`."""
     rows, cols = t.shape[0], t.numel() // t.shape[0]
     return trunc_orthogonal_(t, gain=std * math.sqrt(max(rows, cols)), generator=generator)
-
-
-def inverse_softplus(y: float) -> float:
-    return y + math.log(-math.expm1(-y))

@@ -71,11 +71,6 @@ def optimizer_state_elements(params: list[LocalParam], layout: Layout) -> tuple[
     return max(ranks, key=sum)
 
 
-def muon_state_elements(params: list[LocalParam], layout: Layout) -> int:
-    """Elements of Muon state on the most loaded rank."""
-    return optimizer_state_elements(params, layout)[0]
-
-
 def static_terms(params: list[LocalParam], layout: Layout, precision: str, offload: bool = False) -> StaticTerms:
     """The micro-batch-independent memory of the most loaded rank (see the module docstring)."""
     pb = 8 if precision == "fp64" else 4

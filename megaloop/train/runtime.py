@@ -39,9 +39,6 @@ class SingleProcessRuntime:
     def reduce_gradients(self, model: torch.nn.Module) -> None:
         return None
 
-    def mean_over_dp(self, value: float) -> float:
-        return value
-
     tp_size = 1
 
     def sum_stats(self, values: torch.Tensor) -> torch.Tensor:
