@@ -7,7 +7,7 @@ from megaloop.eval.baselines import unigram_entropy
 from megaloop.train.loop import train
 from tests.train.conftest import TINY, fast_overrides
 
-STEPS = 200
+STEPS = 400
 
 
 def test_loss_falls_and_depth_helps(tiny_shards, tmp_path):
