@@ -239,3 +239,7 @@ class DeepSpeedRuntime(ParallelRuntime):
     def optimizer_parts(self):
         """None: DeepSpeed partitions and steps the optimizer itself (see prepare_optimizer)."""
         return None
+
+    def close(self) -> None:
+        self.proxy = None  # the engine holds the data-parallel group
+        super().close()

@@ -14,9 +14,11 @@ listing the sizes that would work. A single-process job (world size 1) creates n
 from __future__ import annotations
 
 import functools
+import gc
+import importlib
 import os
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Mapping, Sequence
 
@@ -227,6 +229,10 @@ class ParallelLayout:
     def tp_rank(self) -> int:
         return rank_coords(self.rank, self.tp, self.dp)[0]
 
+    def without_groups(self) -> "ParallelLayout":
+        """The same rank facts with no process group handles (what a closed runtime keeps)."""
+        return replace(self, tp_group=None, dp_group=None, pp_group=None)
+
     @property
     def dp_rank(self) -> int:
         return rank_coords(self.rank, self.tp, self.dp)[1]
@@ -288,11 +294,19 @@ def init_layout(tp: int = 1, pp: int = 1, dp: int | None = None, model: ModelDim
         return ParallelLayout(device=dev, sequence_parallel=False)
     chosen_backend = choose_backend(dev, backend)
     if not dist.is_initialized():
+        _import_dynamo_first()
         dist.init_process_group(chosen_backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
                                 rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
     groups = _create_groups(rank, tp, dp, pp)
     return ParallelLayout(rank=rank, world_size=world, local_rank=launch.local_rank, tp=tp, dp=dp, pp=pp,
                           sequence_parallel=seq_parallel, device=dev, backend=dist.get_backend(), **groups)
+
+
+def _import_dynamo_first() -> None:
+    """Import torch._dynamo before any process group exists. torch imports it lazily (the first meta-device or
+    compiled op, e.g. build_model on "meta"); imported while groups exist, it keeps C++ references to them, so they
+    outlive destroy_process_group and their gloo threads run into interpreter shutdown (see destroy_layout)."""
+    importlib.import_module("torch._dynamo")
 
 
 def _create_groups(rank: int, tp: int, dp: int, pp: int) -> dict:
@@ -310,7 +324,16 @@ def _create_groups(rank: int, tp: int, dp: int, pp: int) -> dict:
     return out
 
 
-def destroy_layout() -> None:
-    """Tear torch.distributed down (end of a job or a test)."""
+def destroy_layout(barrier: bool = True) -> None:
+    """Tear torch.distributed down (end of a job or a test): wait for every rank (barrier), destroy the groups,
+    then collect the garbage that still referenced them.
+
+    A gloo group runs its collectives on C++ worker threads that live as long as the group object. If one of them
+    drops the last reference to a tensor after the interpreter has begun to finalize, the process aborts (SIGABRT,
+    "terminate called without an active exception"). So every group must be freed here, while Python is alive:
+    callers drop their own references first (ParallelRuntime.close does, train() frees the model and optimizer)."""
     if dist.is_initialized():
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()
+    gc.collect()

@@ -164,6 +164,12 @@ class ParallelRuntime:
             dist.barrier()
 
     def close(self) -> None:
+        """End of the job: drop every reference this runtime holds to a process group (its layout keeps the rank
+        facts only), then tear the groups down (see destroy_layout). The caller frees the model and optimizer
+        first: tensor-parallel layers and distributed optimizers hold groups too."""
         if self.reducer is not None:
             self.reducer.remove_hooks()
+        self.model = self.buffer = self.reducer = self._parts = None
+        self.tp_info = TensorParallelInfo()
+        self.layout = self.layout.without_groups()
         destroy_layout()

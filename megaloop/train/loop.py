@@ -84,7 +84,8 @@ def train(cfg: Config, runtime=None) -> RunSummary:
     finally:
         ckpt.close()
         data.close()
-        if owns_runtime:
+        del model, optimizer  # tensor-parallel layers and distributed optimizers hold process groups: free them
+        if owns_runtime:      # before the runtime tears the groups down (see pipeline.layout.destroy_layout)
             runtime.close()
     if runtime.is_main:
         (out_dir / "summary.json").write_text(json.dumps(summary.as_dict(), indent=2))

@@ -12,6 +12,8 @@ import socket
 import torch
 import torch.multiprocessing as mp
 
+from pipeline.layout import destroy_layout
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -26,8 +28,7 @@ def _entry(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
     try:
         fn(rank, world_size, *args)
     finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        destroy_layout(barrier=False)  # frees the groups fn left behind while Python is alive (no SIGABRT at exit)
 
 
 def spawn(fn, world_size: int, *args) -> None:

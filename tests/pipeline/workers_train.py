@@ -2,10 +2,14 @@
 inside one torch.distributed world; saves per-step losses and the full final parameters from rank 0."""
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
 
 from megaloop.config import load_config
 from megaloop.train.loop import train
+from megaloop.train.metrics import MetricsWriter
 from megaloop.train.runtime import SingleProcessRuntime, make_runtime
 from pipeline.tensor_parallel import gather_full
 
@@ -60,3 +64,24 @@ def worker(rank: int, world: int, config_path: str, runs: dict, out_path: str) -
     results = {label: run(config_path, overrides, traced_runtime) for label, overrides in runs.items()}
     if rank == 0:
         torch.save(results, out_path)
+
+
+def gloo_threads() -> int:
+    """This process's OS threads that belong to gloo process groups (named gloo_tcp_loop and pt_gloo_runloop)."""
+    names = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]
+    return sum("gloo" in name for name in names)
+
+
+def teardown_worker(rank: int, world: int, config_path: str, overrides: list[str], out_path: str) -> None:
+    """The trainer owning its runtime, as `python -m megaloop train` runs it: gloo threads during the job (counted
+    from the last metrics call) and after train() returned (none may be left, see destroy_layout)."""
+    during = []
+    writer_write = MetricsWriter.write
+
+    def write(self, record):
+        during.append(gloo_threads())
+        return writer_write(self, record)
+
+    MetricsWriter.write = write
+    train(load_config(config_path, overrides))
+    torch.save({"during": max(during), "after": gloo_threads()}, f"{out_path}.{rank}")
