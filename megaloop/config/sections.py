@@ -38,9 +38,6 @@ class ParallelConfig:
             raise ConfigError("parallel.timeout_s", self.timeout_s, "must be > 0 seconds")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError("parallel.zero_stage", self.zero_stage, "allowed values: 0, 1, 2, 3")
-        if self.pp != 1:
-            raise ConfigError("parallel.pp", self.pp, "pipeline parallelism is not available yet: use parallel.pp=1 "
-                              "with parallel.tp and parallel.dp")
 
 
 @dataclass

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from megaloop.config.errors import ConfigError
 from megaloop.config.model import ModelConfig
+from megaloop.config.pipeline import check_pipeline, refuse_pipeline
 from megaloop.config.sections import CheckpointConfig, DataConfig, ParallelConfig, TrainConfig
 from megaloop.optim.config import OptimConfig, OptimConfigError
 
@@ -20,16 +21,23 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
-    def validate(self, world_size: int | None = None) -> "Config":
-        """Check every section, then the sizes that depend on each other. Returns self."""
+    def validate(self, world_size: int | None = None, allow_pipeline: bool = False) -> "Config":
+        """Check every section, then the sizes that depend on each other. Returns self. A valid parallel.pp > 1
+        layout is refused last (the trainer does not run it yet) unless `allow_pipeline` (the planner)."""
         for section in (self.model, self.parallel, self.data, self.optim, self.train, self.checkpoint):
             try:
                 section.validate()
             except OptimConfigError as err:  # the optim section reports in its own (dependency-free) type
                 raise ConfigError(err.field, err.value, f"allowed values are {err.allowed}") from None
+        p, d = self.parallel, self.data
+        fits = world_size is not None and world_size % (p.tp * p.pp) == 0
+        check_pipeline(p.pp, self.model.n_core, p.engine, d.global_batch_size, d.micro_batch_size,
+                       p.dp or (self.dp_size(world_size) if fits else 1))
         self._validate_batches(world_size)
         self._validate_engine()
         self._validate_data_dir()
+        if not allow_pipeline:
+            refuse_pipeline(p.pp)
         return self
 
     def _validate_engine(self) -> None:
@@ -83,8 +91,9 @@ class Config:
             fits = [t for t in range(1, world_size + 1)
                     if world_size % (t * p.pp) == 0 and self.model.n_heads % t == 0 and self.model.kv_heads % t == 0]
             raise ConfigError("parallel.tp", p.tp, f"the job's {world_size} processes are not a multiple of tp x pp "
-                              f"= {p.tp} x {p.pp}; tp values that fit this job and the model's heads: {fits} (or "
-                              f"launch a multiple of {p.tp * p.pp} processes)")
+                              f"= {p.tp} x {p.pp}; " + (f"tp values that fit this job and the model's heads: "
+                              f"{fits} (or launch a multiple of {p.tp * p.pp} processes)" if fits else
+                              f"launch a multiple of {p.tp * p.pp} processes"))
         dp = self.parallel.dp or (self.dp_size(world_size) if world_size else 1)
         if d.global_batch_size % (d.micro_batch_size * dp):
             raise ConfigError(
