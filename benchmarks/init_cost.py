@@ -26,7 +26,17 @@ sys.path.insert(0, str(REPO))
 
 from megaloop.config import load_config  # noqa: E402
 from megaloop.model import build_model, init_parameter  # noqa: E402
-from megaloop.model.layers import scaled_orthogonal_  # noqa: E402
+
+
+def previous_orthogonal(shape, std: float, g: torch.Generator) -> torch.Tensor:
+    """The previous recipe for one orthogonal matrix: a float32 truncated normal (+-2) on torch's threads, QR,
+    signs fixed by R's diagonal, gain std * sqrt(max(rows, cols))."""
+    rows, cols = shape[0], math.prod(shape) // shape[0]
+    flat = torch.nn.init.trunc_normal_(torch.empty(max(rows, cols), min(rows, cols)), 0.0, 1.0, -2.0, 2.0,
+                                       generator=g)
+    q, r = torch.linalg.qr(flat)
+    q = q * torch.sign(torch.diagonal(r)).unsqueeze(0)
+    return (q.t() if rows < cols else q).reshape(shape) * (std * math.sqrt(max(rows, cols)))
 
 
 def _best_of(fn, repeats: int) -> float:
@@ -43,7 +53,7 @@ def one_matrix(size: int, repeats: int) -> None:
     shape = (size, size)
     new = _best_of(lambda: init_parameter(cfg, "core.0.attn.q.weight", shape, seed=0), repeats)
     g = torch.Generator().manual_seed(0)
-    old = _best_of(lambda: scaled_orthogonal_(torch.empty(shape), cfg.std, g), repeats)
+    old = _best_of(lambda: previous_orthogonal(shape, cfg.std, g), repeats)
     print(f"one {size}x{size} orthogonal: per-parameter fp64 1 thread {new:.3f} s, "
           f"previous fp32 {torch.get_num_threads()} threads {old:.3f} s, ratio {new / old:.2f}")
 
@@ -58,11 +68,10 @@ def _kind(name: str) -> str:
 
 def _previous(name: str, shape, std: float, g: torch.Generator) -> None:
     """The previous recipe's work for one parameter: fp32 on all threads, one shared generator."""
-    t = torch.empty(shape)
     if name.endswith(ORTHOGONAL):
-        scaled_orthogonal_(t, std, g)
+        previous_orthogonal(shape, std, g)
     elif name.startswith("value_embeds."):
-        t.normal_(0.0, 1.0, generator=g)
+        torch.empty(shape).normal_(0.0, 1.0, generator=g)
 
 
 def full_init(config: str, with_previous: bool) -> None:

@@ -100,44 +100,6 @@ def late_starts(step, ends: dict, rank: int, pp: int) -> list[tuple[float, bool]
     return out
 
 
-class BalancedProgram(ToyProgram):
-    """The toy with B e computed once per micro-batch at Embed (it is the same in every lap), so that stage 0's
-    laps cost what the other stages' do: the cost model has one cost per action kind for all ranks."""
-
-    def embed(self, mb):
-        e, h0 = super().embed(mb)
-        return self.model.inject(e), h0
-
-    def lap_segment(self, mb, lap, h, e):
-        if e is not None:
-            h = self.model.a * h + e
-        return self.model.layers(h, self.first, self.last)
-
-
-class Replay(CostModel):
-    """Each action's own measured duration (one step's), to tell cost variance from executor overhead."""
-
-    def __init__(self, durations: dict, latency: float):
-        super().__init__(latency=latency)
-        object.__setattr__(self, "durations", durations)
-
-    def of(self, action, specs):
-        return self.durations[action]
-
-
-def message_latencies(step, ends: dict, rank: int, pp: int) -> list[float]:
-    """For each compute action of this rank that waited for a message (its producer on another rank ended after
-    this rank's previous action): its start minus the producer's end, what a message costs the schedule."""
-    before, _ = neighbours(SPECS, pp)
-    previous, out = step[0], []
-    for action, start, end in step[2]:
-        producer = before.get(action)
-        if producer is not None and rank_of(producer, pp) != rank and ends[producer] > previous:
-            out.append(start - ends[producer])
-        previous = end
-    return out
-
-
 def worker(rank, pp, args, out):
     dist.init_process_group("gloo")
     model = ToyLoop(args.width, layers=pp * args.layers_per_stage, vocab=args.vocab)
@@ -206,6 +168,7 @@ def compare(ranks: list, schedule: list, pp: int) -> None:
     gap = abs(predicted - median) / median
     print(f"idle fraction: simulated {predicted:.3f}, measured median {median:.3f} (steps {min(measured):.3f}-"
           f"{max(measured):.3f}); relative difference {gap:.1%} ({'within' if gap <= 0.2 else 'OUTSIDE'} 20%)")
+
 
 if __name__ == "__main__":
     main()

@@ -1,7 +1,5 @@
-"""Small building blocks: RMSNorm, interleaved RoPE, the MLPs, and the reference initialisers."""
+"""Small building blocks: RMSNorm, interleaved RoPE and the MLPs (the initialisation is in init.py)."""
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -76,24 +74,3 @@ class SwiGLUMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.fc(x).chunk(2, dim=-1)
         return self.proj(F.silu(gate) * up)
-
-
-@torch.no_grad()
-def trunc_orthogonal_(t: torch.Tensor, gain: float, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Orthogonal init started from a truncated normal (+-2), sign-fixed by R's diagonal, scaled by gain."""
-    rows, cols = t.shape[0], t.numel() // t.shape[0]
-    flat = torch.empty(max(rows, cols), min(rows, cols), dtype=torch.float32)
-    nn.init.trunc_normal_(flat, mean=0.0, std=1.0, a=-2.0, b=2.0, generator=generator)
-    q, r = torch.linalg.qr(flat)
-    q = q * torch.sign(torch.diagonal(r)).unsqueeze(0)
-    if rows < cols:
-        q = q.t()
-    t.copy_(q.reshape(t.shape).to(t.dtype)).mul_(gain)
-    return t
-
-
-@torch.no_grad()
-def scaled_orthogonal_(t: torch.Tensor, std: float, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Truncated orthogonal with gain std * sqrt(max(rows, cols)), so that entries have std ~ `std`."""
-    rows, cols = t.shape[0], t.numel() // t.shape[0]
-    return trunc_orthogonal_(t, gain=std * math.sqrt(max(rows, cols)), generator=generator)
