@@ -5,9 +5,10 @@ peak = parameters + gradients + optimizer state + max(activations of one micro-b
 step's working memory + the last micro-batch's logits): the step runs after the last backward, when only the
 logits the trainer still holds are left of the activations.
 
-Later steps add their own terms here: the ring pipeline (pp > 1: per-stage parameters and the in-flight
-activations of the schedule's micro-batches) as `Plan.pipeline`, and throughput (step time from the FLOP model and
-the interconnect) as `Plan.timing`; both are None until then, and `--pp` is refused.
+Under the ring pipeline (pp > 1) `Plan.pipeline` holds each stage's parameters, gradients, optimizer state and the
+stored activations of one simulated optimizer step (megaloop/plan/pipeline.py); the terms above describe the whole
+model on one rank and are not reported then. Throughput (step time from the FLOP model and the interconnect) is a
+later step: `Plan.timing` is None.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from megaloop.model import build_model, count_parameters
 from megaloop.plan.activations import CHECKPOINTING, ActivationTerms, activation_terms
 from megaloop.plan.gpus import Gpu
 from megaloop.plan.layout import Layout, LocalParam, local_params, resolve_layout
+from megaloop.plan.pipeline import PipelinePlan, pipeline_plan
 from megaloop.plan.static import StaticTerms, static_terms
 
 MAX_MICRO_BATCH = 1 << 20
@@ -85,7 +87,7 @@ class Plan:
     gpu: Gpu
     n_params: int
     params: tuple[LocalParam, ...]
-    pipeline: None = None  # ring pipeline terms (pp > 1): a later step
+    pipeline: PipelinePlan | None = None  # the ring pipeline's stages and schedule (pp > 1)
     timing: None = None  # throughput prediction: a later step
 
     def at(self, micro_batch: int, checkpointing: str | None = None) -> MicroBatchPlan:
@@ -120,4 +122,6 @@ def make_plan(cfg: Config, gpu: Gpu, world: int) -> Plan:
     """The plan of `cfg` on `world` GPUs of type `gpu` (raises ConfigError for a layout that cannot run)."""
     layout = resolve_layout(cfg, world)
     n_params = count_parameters(build_model(cfg.model, device="meta"))
-    return Plan(cfg, layout, gpu, n_params, tuple(local_params(cfg, layout.tp)))
+    params = local_params(cfg, layout.tp)
+    pipeline = pipeline_plan(cfg, layout, params) if layout.pp > 1 else None
+    return Plan(cfg, layout, gpu, n_params, tuple(params), pipeline)

@@ -1,7 +1,10 @@
 """The plan as text for people and as JSON for programs."""
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from megaloop.plan.gpus import GIB
+from megaloop.plan.pipeline import PipelinePlan
 from megaloop.plan.planner import MicroBatchPlan, Plan
 
 
@@ -25,6 +28,10 @@ def plan_dict(plan: Plan, world: int, nodes: int) -> dict:
         "activation_checkpointing": cfg.train.activation_checkpointing,
         "settings": {},
     }
+    if plan.pipeline is not None:  # the settings describe the whole model on one rank: not reported under pp > 1
+        del out["settings"]
+        out["pipeline"] = pipeline_dict(plan.pipeline)
+        return out
     for ck in plan.settings():
         largest = plan.largest_micro_batch(ck)
         out["settings"][ck] = {
@@ -33,6 +40,22 @@ def plan_dict(plan: Plan, world: int, nodes: int) -> dict:
             "at_config": _mb_dict(plan.at(cfg.data.micro_batch_size, ck)),
         }
     return out
+
+
+def pipeline_dict(pipe: PipelinePlan) -> dict:
+    """The ring pipeline's schedule figures and per-stage bytes."""
+    r = pipe.result
+    return {
+        "micro_batches": len(pipe.specs), "laps": [s.laps for s in pipe.specs],
+        "grad_laps": [s.grad_laps for s in pipe.specs], "mean_laps": pipe.mean_laps,
+        "max_in_flight": pipe.max_in_flight, "costs": asdict(pipe.costs), "makespan": r.makespan,
+        "idle_fraction": r.idle_fraction, "interleaved_1f1b_idle": pipe.interleaved_idle,
+        "stages": [{"rank": st.rank, "core_blocks": list(st.core_blocks), "parameters": st.n_params,
+                    "params_bytes": st.static.params, "grads_bytes": st.static.grads, "muon_bytes": st.static.muon,
+                    "adamw_bytes": st.static.adamw, "idle_fraction": st.idle, "peak_stored_units": st.peak_units,
+                    "unit_bytes": st.unit_bytes, "activations_bytes": st.activations, "total_bytes": st.total}
+                   for st in pipe.stages],
+    }
 
 
 def _mb_dict(mb: MicroBatchPlan) -> dict:
@@ -44,15 +67,18 @@ def plan_text(plan: Plan, world: int, nodes: int, config_name: str) -> str:
     cfg, lay, g = plan.cfg, plan.layout, plan.gpu
     m = cfg.model
     engine = f"ZeRO-{lay.zero_stage} ({lay.engine})" if lay.dp > 1 or lay.engine == "deepspeed" else "no ZeRO"
+    pp = f" x pp {lay.pp}" if lay.pp > 1 else ""
     lines = [
         f"memory plan: {config_name} ({plan.n_params / 1e6:.1f}M parameters) on {world} x {g.name} "
         f"({nodes} node{'s' if nodes > 1 else ''})",
-        f"  layout: tp {lay.tp} x dp {lay.dp}, sequence parallel {'on' if lay.sp else 'off'}, {engine}, "
+        f"  layout: tp {lay.tp}{pp} x dp {lay.dp}, sequence parallel {'on' if lay.sp else 'off'}, {engine}, "
         f"{cfg.train.precision}; seq {m.seq_len}, mu_rec {m.mu_rec}, mu_bwd {m.backprop_depth}",
         f"  GPU {gib(g.total_bytes).strip()}, headroom {gib(g.headroom_bytes).strip()} (CUDA context and "
         f"workspaces 2 GiB + 5% allocator fragmentation) -> usable {gib(g.usable_bytes).strip()} per GPU",
         "  figures are per rank (the most loaded one)",
     ]
+    if plan.pipeline is not None:
+        return "\n".join(lines + pipeline_lines(plan))
     for ck in plan.settings():
         largest = plan.largest_micro_batch(ck)
         mark = " (the config's setting)" if ck == cfg.train.activation_checkpointing else ""
@@ -70,3 +96,31 @@ def plan_text(plan: Plan, world: int, nodes: int, config_name: str) -> str:
                 lines += [f"    {t.name:<38}{gib(t.bytes)}" + (f"  ({t.note})" if t.note else "")
                           for t in mb.terms()]
     return "\n".join(lines)
+
+
+def pipeline_lines(plan: Plan) -> list[str]:
+    """The ring pipeline's schedule and a row of bytes per stage."""
+    pipe, cfg, usable = plan.pipeline, plan.cfg, plan.gpu.usable_bytes
+    r, c, m = pipe.result, pipe.costs, len(pipe.specs)
+    lines = [
+        "",
+        f"ring pipeline, one optimizer step: {m} micro-batches of {cfg.data.micro_batch_size} sequences (data-parallel "
+        f"rank 0, step 0), laps {' '.join(str(s.laps) for s in pipe.specs)} (mean {pipe.mean_laps:.2f}), the last "
+        f"min(laps, {cfg.model.backprop_depth}) with autograd; bound {pipe.max_in_flight} micro-batches in flight",
+        f"  costs in forward lap segments of the largest stage: backward {c.backward:g}, embed {c.embed:.3f} "
+        f"(backward {c.embed_backward:.3f}), loss {c.loss:.3f} (backward {c.loss_backward:.3f})",
+        f"  simulated makespan {r.makespan:.2f}; idle fraction {r.idle_fraction:.4f} (interleaved 1F1B's "
+        f"(p-1)/(v m) with v = {pipe.mean_laps:.2f} laps: {pipe.interleaved_idle:.4f})",
+        f"  stored activations: peak units x one lap segment's bytes (activation_checkpointing="
+        f"{cfg.train.activation_checkpointing}, micro-batch {cfg.data.micro_batch_size}); not counted: the "
+        "optimizer step's working memory, the logits and the loss's transients",
+        f"  {'stage':>5} {'core':>7} {'parameters':>11} {'params':>12} {'grads':>12} {'Muon':>12} {'AdamW':>12} "
+        f"{'units':>5} {'unit':>12} {'activations':>12} {'sum':>12} {'idle':>7}",
+    ]
+    for st in pipe.stages:
+        s = st.static
+        verdict = "" if st.total <= usable else "  does NOT fit"
+        lines.append(f"  {st.rank:5d} {st.core_blocks[0]:3d}-{st.core_blocks[1] - 1:<3d} {st.n_params / 1e6:10.2f}M "
+                     f"{gib(s.params)} {gib(s.grads)} {gib(s.muon)} {gib(s.adamw)} {st.peak_units:5d} "
+                     f"{gib(st.unit_bytes)} {gib(st.activations)} {gib(st.total)} {st.idle:7.4f}{verdict}")
+    return lines

@@ -113,9 +113,9 @@ def test_cli_json_and_text(capsys):
     assert "8 x H200 141GB" in out and "largest micro-batch that fits" in out
 
 
-def test_cli_refuses_pp_and_bad_layouts(capsys):
-    code, _, err = _cli(capsys, str(TINY), "--nodes", "1", "--gpus-per-node", "2", "--pp", "2")
-    assert code == 2 and "later step" in err
+def test_cli_refuses_bad_layouts(capsys):
+    code, _, err = _cli(capsys, str(TINY), "--nodes", "1", "--gpus-per-node", "4", "--pp", "4")
+    assert code == 2 and "parallel.pp=4" in err and "use parallel.pp <= 2" in err
     code, _, err = _cli(capsys, str(TINY), "--nodes", "1", "--gpus-per-node", "3", "--set", "parallel.tp=2")
     assert code == 2 and "parallel.tp" in err
 
