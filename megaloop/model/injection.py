@@ -119,10 +119,12 @@ class ConcatInjection(nn.Module):
 
 
 def _inject(module: nn.Module, h, e, prepared):
-    """The forward of every injection: h None -> (term of e, state coefficients), computed once per model forward;
-    otherwise u = step(h, term, coeffs) from `prepared` (or from e, computing the term on the spot)."""
+    """The forward of every injection: h None -> (term of e, state coefficients), computed once per model forward
+    (the term is None when e is None: the coefficients alone, for a pipeline stage that keeps the term and needs
+    the coefficients' gradient in every lap); otherwise u = step(h, term, coeffs) from `prepared` (or from e,
+    computing the term on the spot)."""
     if h is None:
-        return module.input_term(e), module.state_coeffs()
+        return (None if e is None else module.input_term(e)), module.state_coeffs()
     term, coeffs = prepared if prepared is not None else (module.input_term(e), module.state_coeffs())
     return module.step(h, term, coeffs)
 

@@ -109,12 +109,14 @@ class LoopedLM(nn.Module):
         table = self.value_embeds[str(layer)] if str(layer) in self.value_embeds else None
         return None if table is None else table(input_ids)
 
-    def context(self, input_ids: torch.Tensor) -> LoopContext:
+    def context(self, input_ids: torch.Tensor, core_values: bool = True) -> LoopContext:
+        """RoPE tables for the input's length and (unless core_values is False: a pipeline stage that looks up
+        only its own blocks' values) the core blocks' value embeddings."""
         s = input_ids.shape[1]
         if s > self.cfg.seq_len:
             raise ValueError(f"input has {s} positions but model.seq_len is {self.cfg.seq_len}")
         rope = (self.rope_cos[:s], self.rope_sin[:s])
-        core_ve = [self.value_embedding(b.layer, input_ids) for b in self.core]
+        core_ve = [self.value_embedding(b.layer, input_ids) for b in self.core] if core_values else []
         return LoopContext(input_ids, rope, core_ve)
 
     def encode(self, input_ids: torch.Tensor, ctx: LoopContext) -> torch.Tensor:

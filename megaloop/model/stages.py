@@ -1,0 +1,170 @@
+"""LoopedLM as ring-pipeline stages: a stage program (duck-typed to pipeline.ring.program.StageProgram; the model
+package does not import pipeline) that computes on pp ranks exactly what LoopedLM.forward computes on one.
+
+How a stage maps to LoopedLM's seams (core_ranges splits the core blocks into pp contiguous segments):
+
+- embed (rank 0): context, encode -> e; `injection(None, e)` -> the term of e, permuted into the ragged plan's
+  row order (deepest sequence first). The TERM is what the executor keeps and sends to every lap of rank 0, so its
+  gradient accumulates over the kept laps and flows back through the injection's input weights, the prelude and
+  the embedding once, at EmbedBackward, as in the forward. h_0 (given, or drawn from the noise key) is permuted the
+  same way; its first active rows enter lap 0.
+- lap_segment (every rank): rank 0 extends the state it receives with the h_0 rows that become active in this
+  lap, recomputes the injection's coefficients (`injection(None)`: they depend on parameters only, so their
+  gradient must reach the parameters from every lap) and applies `injection(h, prepared=(term rows, coeffs))`;
+  every rank then runs its own core blocks with their value embeddings, looked up from the permuted ids of the
+  active rows. A lap carries only its active prefix (RaggedPlan.prefix), so messages shrink to the rows still
+  looping.
+- loss (last rank): un-permutes the rows, decode (C, coda, final norm), the tied head's logits, cross-entropy
+  (ignore_index -100) times the micro-batch's scale.
+
+The loop is always the ragged one (LoopedLM.ragged_loop True), so backprop depths must be end-aligned
+(k_i = min(T_i, max k), what the trainer samples) and at least one lap must carry gradient. The GPT baseline
+(injection none) is one lap: rank 0 sends e itself into the core, h_0 is unused.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from megaloop.model.depth_plan import DepthPlan, RaggedPlan
+from megaloop.model.execution import maybe_checkpoint
+from megaloop.model.looped import LoopedLM
+
+
+def core_ranges(n_core: int, pp: int) -> list[tuple[int, int]]:
+    """The core blocks of each of pp stages as inclusive (first, last) ranges: contiguous, covering 0..n_core-1,
+    sizes differing by at most one (the earlier stages get the extra blocks)."""
+    if pp < 1:
+        raise ValueError(f"the number of pipeline stages must be >= 1, got {pp}")
+    if pp > n_core:
+        raise ValueError(f"more pipeline stages than core blocks ({pp} > {n_core}): every stage needs at least "
+                         f"one core block; use pp <= n_core (parallel.pp) or a model with more core blocks")
+    per, extra = divmod(n_core, pp)
+    ranges, first = [], 0
+    for stage in range(pp):
+        size = per + (1 if stage < extra else 0)
+        ranges.append((first, first + size - 1))
+        first += size
+    return ranges
+
+
+@dataclass(frozen=True)
+class StageMicroBatch:
+    """One micro-batch as LoopedLM.forward takes it: input_ids and labels [B, S]; depth and backprop_depth as host
+    integers (an int or one per sequence; depth None: mu_rec, backprop_depth None: every lap); h_0 given as h0
+    [B, S, d], or drawn from noise_key = (seed, step, sample_index [B]) (both None: forward's default key)."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    depth: object = None
+    backprop_depth: object = None
+    noise_key: Optional[tuple] = None
+    h0: Optional[torch.Tensor] = None
+
+
+def ragged_plan(model: LoopedLM, mb: StageMicroBatch) -> RaggedPlan:
+    """The ragged loop's plan for a micro-batch (GPT: one lap over every row); a clear error where the ring
+    pipeline cannot run it."""
+    batch = mb.input_ids.shape[0]
+    plan = DepthPlan.make(model._default_depth(mb.depth, batch), mb.backprop_depth, batch)
+    if model.injection is None:  # the GPT baseline's core runs once on e, with gradient
+        return RaggedPlan(np.arange(batch), (batch,), 0)
+    if not plan.end_aligned:
+        raise ValueError(f"the ring pipeline runs the ragged loop, which needs backprop depths k_i = min(T_i, "
+                         f"max k); got depths {plan.total.tolist()} and backprop depths {plan.grad.tolist()}: pass "
+                         f"an int backprop_depth or the trainer's min(T_i, mu_bwd)")
+    if plan.grad_steps < 1:
+        raise ValueError("the ring pipeline needs at least one lap with gradient per micro-batch (backprop_depth "
+                         f">= 1), got {plan.grad.tolist()}")
+    return RaggedPlan.make(plan)
+
+
+def micro_batch_spec(model: LoopedLM, mb: StageMicroBatch) -> dict:
+    """What pipeline.ring.MicroBatch(**spec) needs to schedule the micro-batch: laps (its deepest sequence's depth),
+    grad_laps (the final laps with gradient) and active (the fraction of its rows looping in each lap)."""
+    plan = ragged_plan(model, mb)
+    rows = mb.input_ids.shape[0]
+    return {"laps": plan.laps, "grad_laps": plan.laps - plan.boundary,
+            "active": tuple(p / rows for p in plan.prefix)}
+
+
+class LoopedStageProgram:
+    """Ring rank `stage` of `pp` for `model` (every rank builds the same full model and uses only its parts) over
+    `micro_batches`; each micro-batch's loss is multiplied by `scale` (one float, e.g. 1/m, or one per micro-batch,
+    e.g. the trainer's tokens / global tokens). See the module docstring."""
+
+    def __init__(self, model: LoopedLM, stage: int, pp: int, micro_batches: Sequence[StageMicroBatch],
+                 scale: Union[float, Sequence[float]] = 1.0):
+        if not 0 <= stage < pp:
+            raise ValueError(f"stage must be in 0..{pp - 1} for pp={pp}, got {stage}")
+        self.model, self.stage, self.pp = model, stage, pp
+        first, last = core_ranges(model.cfg.n_core, pp)[stage]
+        self.blocks = list(model.core[first:last + 1])
+        self.batches = list(micro_batches)
+        self.scales = [float(scale)] * len(self.batches) if np.isscalar(scale) else [float(s) for s in scale]
+        if len(self.scales) != len(self.batches):
+            raise ValueError(f"scale must be one float or one per micro-batch ({len(self.batches)}), got "
+                             f"{len(self.scales)}")
+        self.plans = [ragged_plan(model, mb) for mb in self.batches]
+        self._h0: dict[int, torch.Tensor] = {}  # rank 0: the permuted h_0 of micro-batches still looping
+
+    def specs(self) -> list[dict]:
+        """micro_batch_spec of every micro-batch, in order."""
+        return [micro_batch_spec(self.model, mb) for mb in self.batches]
+
+    def _permuted(self, mb: int, x: torch.Tensor) -> torch.Tensor:
+        plan = self.plans[mb]
+        return x if plan.is_identity else x.index_select(0, torch.from_numpy(plan.order).to(x.device))
+
+    def embed(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank 0: (the kept term of e in plan order, h_0's rows active in lap 0); see the module docstring."""
+        batch, model = self.batches[mb], self.model
+        ids = batch.input_ids
+        e = model.encode(ids, model.context(ids, core_values=False))
+        if model.injection is None:
+            return e, e.detach()
+        h0 = batch.h0 if batch.h0 is not None else model.initial_state(e, batch.noise_key)
+        term, _ = model.injection(None, e)
+        h0 = self._permuted(mb, h0.to(e.dtype))
+        self._h0[mb] = h0
+        return self._permuted(mb, term), h0[:self.plans[mb].prefix[0]]
+
+    def lap_segment(self, mb: int, lap: int, h: torch.Tensor, e: Optional[torch.Tensor]) -> torch.Tensor:
+        """This stage's core blocks on lap `lap`'s active rows (rank 0: after the injection)."""
+        rows = self.plans[mb].prefix[lap]
+        if e is not None and self.model.injection is not None:
+            h0 = self._h0[mb] if lap < self.plans[mb].laps - 1 else self._h0.pop(mb)
+            if h.shape[0] < rows:  # rows that start looping in this lap enter with their h_0
+                h = torch.cat([h, h0[h.shape[0]:rows]])
+        ids = self._permuted(mb, self.batches[mb].input_ids)[:rows]
+        whole = self.model.activation_checkpointing == "lap"
+        return maybe_checkpoint(whole, self._segment, h, None if e is None else e[:rows], ids)
+
+    def _segment(self, h: torch.Tensor, term: Optional[torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+        model = self.model
+        x = h
+        if term is not None:
+            x = term if model.injection is None else model.injection(h, prepared=(term, model.injection(None)[1]))
+        rope = model.context(ids, core_values=False).rope
+        per_block = model.activation_checkpointing == "block"
+        for block in self.blocks:
+            x = maybe_checkpoint(per_block, block, x, rope, model.value_embedding(block.layer, ids))
+        return x
+
+    def loss(self, mb: int, h: torch.Tensor) -> torch.Tensor:
+        """The last rank: rows back in the caller's order, decode, logits, mean cross-entropy times the scale."""
+        batch, plan, model = self.batches[mb], self.plans[mb], self.model
+        if not plan.is_identity:
+            h = h.index_select(0, torch.from_numpy(np.argsort(plan.order)).to(h.device))
+        logits = model.logits(model.decode(h, model.context(batch.input_ids, core_values=False)))
+        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), batch.labels.reshape(-1), ignore_index=-100)
+        return loss * self.scales[mb]
+
+    def message_shape(self, mb: int, lap: int) -> tuple[int, ...]:
+        """(rows active in lap `lap`, sequence, width)."""
+        _, seq = self.batches[mb].input_ids.shape
+        return (self.plans[mb].prefix[lap], seq, self.model.cfg.d_model)

@@ -1,0 +1,90 @@
+"""The looped model as ring-pipeline stages (megaloop.model.stages) on one rank, and the one-process reference it
+must equal: parcae-tiny (4 core blocks, short sequences, small vocabulary) and its RDM variant in float64, with
+micro-batches whose per-sequence depths differ within and between micro-batches and truncated backprop
+k_i = min(T_i, ceil(mu_rec / 2))."""
+from __future__ import annotations
+
+import datetime
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megaloop.config import load_config
+from megaloop.model import build_model
+from megaloop.model.stages import LoopedStageProgram, StageMicroBatch, micro_batch_spec
+from pipeline.ring import MicroBatch, ring_schedule
+from pipeline.ring.execute import RingExecutor
+
+TINY = Path(__file__).resolve().parents[2] / "configs" / "parcae-tiny.yaml"
+SMALL = ["model.n_core=4", "model.seq_len=8", "model.vocab_size=64", "model.d_model=64", "model.n_heads=2"]
+ARCH = {
+    "parcae": [],
+    "rdm": ["model.arch=rdm", "model.injection=concat", "model.block=sandwich", "model.use_C=false"],
+}
+# per-sequence depths of each micro-batch: lap counts 7, 3, 5, 1, 6; rows that start in different laps
+DEPTHS = [[3, 7, 1, 5], [2, 3], [5, 1, 4], [1, 1], [6, 2, 6, 3]]
+STEP, SEED = 3, 11
+
+
+def build(arch: str):
+    """The float64 model (the reference init, then every parameter perturbed: the init zeroes the output
+    projections, which would leave most gradients zero) and its micro-batches."""
+    cfg = load_config(TINY, SMALL + ARCH[arch]).model
+    model = build_model(cfg, seed=0).double()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    k = math.ceil(cfg.mu_rec / 2)
+    batches, start = [], 0
+    for mb, depth in enumerate(DEPTHS):
+        rows = len(depth)
+        gen = torch.Generator().manual_seed(100 + mb)
+        ids = torch.randint(cfg.vocab_size, (rows, cfg.seq_len), generator=gen)
+        labels = torch.randint(cfg.vocab_size, (rows, cfg.seq_len), generator=gen)
+        labels[:, :2] = -100
+        index = torch.arange(start, start + rows)
+        start += rows
+        batches.append(StageMicroBatch(ids, labels, depth, [min(t, k) for t in depth], (SEED, STEP, index)))
+    return model, batches
+
+
+def scales(batches) -> list[float]:
+    """The trainer's factor: each micro-batch's share of the step's labelled positions."""
+    tokens = [int((b.labels != -100).sum()) for b in batches]
+    return [t / sum(tokens) for t in tokens]
+
+
+def reference(arch: str):
+    """One process: LoopedLM.forward on each micro-batch, loss times its scale, backward; losses and gradients."""
+    model, batches = build(arch)
+    losses = []
+    for batch, scale in zip(batches, scales(batches)):
+        out = model(batch.input_ids, batch.labels, batch.depth, batch.backprop_depth, noise_key=batch.noise_key)
+        loss = out.loss * scale
+        loss.backward()
+        losses.append(loss.detach())
+    return torch.stack(losses), {n: p.grad for n, p in model.named_parameters()}
+
+
+def specs_for(model, batches) -> list[MicroBatch]:
+    return [MicroBatch(**micro_batch_spec(model, b)) for b in batches]
+
+
+def run_stage(rank: int, world: int, arch: str):
+    """This rank's stage under the ring schedule, messages checked: (losses on the last rank, nonzero grads)."""
+    model, batches = build(arch)
+    program = LoopedStageProgram(model, rank, world, batches, scales(batches))
+    specs = specs_for(model, batches)
+    actions = ring_schedule(specs, world, max_in_flight=2)[rank]
+    result = RingExecutor(program, dtype=torch.float64, check_messages=True).run(actions, specs)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().max() > 0}
+    return result.losses, grads
+
+
+def worker(rank: int, world: int, archs: list, out: str) -> None:
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    results = {arch: run_stage(rank, world, arch) for arch in archs}
+    torch.save(results, f"{out}.{rank}")
