@@ -12,10 +12,15 @@ micro-batch makes laps = its deepest sequence's depth, the last min(laps, mu_bwd
 the fraction of its rows with depth >= laps - l (the ragged loop, aligned at the end). Costs, relative to one
 forward lap segment of the largest stage (1 unit; backward 2 units): embed = the prelude's forward FLOPs, loss =
 C's, the coda's and the head's, each over the segment's (2 x matmul weights + 4 d s attention per token; backward
-twice the forward). The ring schedule runs under a bound of 3 pp micro-batches in flight (6 pp open) and is
-simulated; stored activations per rank = the simulator's peak stored units x one lap segment's stored bytes on
-that rank under train.activation_checkpointing (`activations.block_bytes`); the embedding's and loss's units are
-counted at that size too.
+twice the forward). The ring schedule runs under a bound of `in_flight` x pp micro-batches in flight (twice that
+open; 3 by default, as benchmarks/ring_schedule.py) and is simulated.
+
+Stored activations per rank: the simulator's peak stored units x one lap segment's stored bytes on that rank under
+train.activation_checkpointing (`activations.block_bytes`), and, replaying the simulated run with each unit at its
+own size, the peak stored bytes: a kept lap segment as above, an Embed the prelude (kept in full in every setting),
+the token ids, the prelude norm and the injection's term of e, a Loss C's input, the coda, the final norm, the
+head's input and the fp32 logits with the saved softmax. Not counted: the value embeddings of core layers, the
+loss's backward transients and the optimizer step's working memory.
 """
 from __future__ import annotations
 
@@ -25,10 +30,29 @@ import numpy as np
 
 from megaloop.config import Config, ConfigError
 from megaloop.model.block import has_value_embedding
-from megaloop.plan.activations import Sizes, block_bytes, block_input_bytes, injection_bytes
+from megaloop.plan.activations import (
+    Sizes,
+    _stack_bytes,
+    block_bytes,
+    block_input_bytes,
+    injection_bytes,
+    input_term_bytes,
+)
 from megaloop.plan.layout import Layout, LocalParam
 from megaloop.plan.static import StaticTerms, static_terms
-from pipeline.ring import CostModel, MicroBatch, SimResult, ring_schedule, simulate
+from pipeline.ring import (
+    Backward,
+    CostModel,
+    Embed,
+    EmbedBackward,
+    Forward,
+    Loss,
+    LossBackward,
+    MicroBatch,
+    SimResult,
+    ring_schedule,
+    simulate,
+)
 
 IN_FLIGHT_PER_STAGE = 3  # the bound: this many times pp micro-batches in flight (benchmarks/ring_schedule.py)
 FIRST = ("embed.", "prelude.", "prelude_norm.", "injection.")
@@ -37,8 +61,8 @@ LAST = ("embed.", "C.", "coda.", "final_norm.")
 
 @dataclass(frozen=True)
 class StagePlan:
-    """One ring rank: its core blocks [first, end), parameter count, static memory, idle fraction and stored
-    activations (peak units x bytes of one unit)."""
+    """One ring rank: its core blocks [first, end), parameter count, static memory, idle fraction, peak stored
+    units with the bytes of one lap segment's unit, and the peak stored bytes with each unit at its own size."""
 
     rank: int
     core_blocks: tuple[int, int]
@@ -47,15 +71,17 @@ class StagePlan:
     idle: float
     peak_units: int
     unit_bytes: int
+    stored_bytes: int
 
     @property
     def activations(self) -> int:
+        """Peak stored units x one lap segment's bytes."""
         return self.peak_units * self.unit_bytes
 
     @property
     def total(self) -> int:
-        """Parameters, gradients, optimizer state and the schedule's stored activations."""
-        return self.static.persistent + self.activations
+        """Parameters, gradients, optimizer state and the peak stored bytes."""
+        return self.static.persistent + self.stored_bytes
 
 
 @dataclass(frozen=True)
@@ -170,17 +196,50 @@ def unit_bytes(cfg: Config, layout: Layout, stage: int, blocks: tuple[int, int])
     return inject + sum(block_bytes(z, m, m.value_embeds and has_value_embedding(i, m.n_layers)) for i in layers)
 
 
-def pipeline_plan(cfg: Config, layout: Layout, params: list[LocalParam]) -> PipelinePlan:
-    """Stages, schedule and simulation of `cfg` on `layout` (pp > 1); `params`: every parameter at its tp shape."""
+def end_bytes(cfg: Config, layout: Layout) -> tuple[int, int]:
+    """What an Embed (rank 0) and a Loss (the last rank) store for one micro-batch (see the module docstring)."""
+    m = cfg.model
+    z = Sizes.of(cfg, cfg.data.micro_batch_size, layout.tp, layout.sp)
+    norm = z.split(2 * z.act * z.d + z.act)
+    embed = z.full(8) + _stack_bytes(z, m, range(m.n_prelude)) + (norm if m.prelude_norm else 0)
+    embed += input_term_bytes(z, m)
+    loss = _stack_bytes(z, m, range(m.n_prelude + m.n_core, m.n_layers)) + norm + z.full(z.mm * z.d)
+    loss += (z.split(z.mm * z.d) if m.use_C else 0) + z.full(2 * z.act * z.vocab)
+    return embed, loss
+
+
+def peak_stored_bytes(result: SimResult, segments: list[int], embed: int, loss: int) -> list[int]:
+    """Per rank, the most bytes stored at once when the simulated run is replayed with each stored unit at its own
+    size: `segments[r]` for a kept lap segment on rank r, `embed` for an Embed, `loss` for a Loss."""
+    pp = len(segments)
+    sizes = {Embed: embed, EmbedBackward: -embed, Loss: loss, LossBackward: -loss}
+    live, peak = [0] * pp, [0] * pp
+    for rank, _, _, action in result.intervals:  # each rank's actions in its execution order
+        if isinstance(action, (Forward, Backward)):
+            stores = isinstance(action, Backward) or action.grad
+            change = (-1 if isinstance(action, Backward) else 1) * segments[rank] * stores
+        else:
+            change = sizes[type(action)]
+        live[rank] += change
+        peak[rank] = max(peak[rank], live[rank])
+    return peak
+
+
+def pipeline_plan(cfg: Config, layout: Layout, params: list[LocalParam],
+                  in_flight: int = IN_FLIGHT_PER_STAGE) -> PipelinePlan:
+    """Stages, schedule and simulation of `cfg` on `layout` (pp > 1) with at most `in_flight` x pp micro-batches in
+    flight; `params`: every parameter at its tensor-parallel shape."""
     pp = layout.pp
     ranges = core_ranges(cfg.model.n_core, pp)
     specs = micro_batch_specs(cfg, layout.dp)
     costs = stage_costs(params, cfg, ranges)
-    bound = IN_FLIGHT_PER_STAGE * pp
+    bound = in_flight * pp
     result = simulate(ring_schedule(specs, pp, bound, 2 * bound, costs), specs, costs, bound, 2 * bound)
+    units = [unit_bytes(cfg, layout, s, ranges[s]) for s in range(pp)]
+    stored = peak_stored_bytes(result, units, *end_bytes(cfg, layout))
     stages = []
     for s, mine in enumerate(stage_params(params, cfg, pp)):
         static = static_terms(mine, layout, cfg.train.precision, cfg.parallel.zero_offload)
         stages.append(StagePlan(s, ranges[s], sum(p.local_numel for p in mine), static, result.idle_fractions[s],
-                                result.peak_stored[s], unit_bytes(cfg, layout, s, ranges[s])))
+                                result.peak_stored[s], units[s], stored[s]))
     return PipelinePlan(tuple(specs), costs, bound, result, tuple(stages))

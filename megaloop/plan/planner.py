@@ -19,7 +19,7 @@ from megaloop.model import build_model, count_parameters
 from megaloop.plan.activations import CHECKPOINTING, ActivationTerms, activation_terms
 from megaloop.plan.gpus import Gpu
 from megaloop.plan.layout import Layout, LocalParam, local_params, resolve_layout
-from megaloop.plan.pipeline import PipelinePlan, pipeline_plan
+from megaloop.plan.pipeline import IN_FLIGHT_PER_STAGE, PipelinePlan, pipeline_plan
 from megaloop.plan.static import StaticTerms, static_terms
 
 MAX_MICRO_BATCH = 1 << 20
@@ -118,10 +118,11 @@ class Plan:
         return CHECKPOINTING
 
 
-def make_plan(cfg: Config, gpu: Gpu, world: int) -> Plan:
-    """The plan of `cfg` on `world` GPUs of type `gpu` (raises ConfigError for a layout that cannot run)."""
+def make_plan(cfg: Config, gpu: Gpu, world: int, in_flight: int = IN_FLIGHT_PER_STAGE) -> Plan:
+    """The plan of `cfg` on `world` GPUs of type `gpu` (raises ConfigError for a layout that cannot run); under
+    pp > 1 the ring schedule keeps at most `in_flight` x pp micro-batches in flight."""
     layout = resolve_layout(cfg, world)
     n_params = count_parameters(build_model(cfg.model, device="meta"))
     params = local_params(cfg, layout.tp)
-    pipeline = pipeline_plan(cfg, layout, params) if layout.pp > 1 else None
+    pipeline = pipeline_plan(cfg, layout, params, in_flight) if layout.pp > 1 else None
     return Plan(cfg, layout, gpu, n_params, tuple(params), pipeline)

@@ -53,7 +53,8 @@ def pipeline_dict(pipe: PipelinePlan) -> dict:
         "stages": [{"rank": st.rank, "core_blocks": list(st.core_blocks), "parameters": st.n_params,
                     "params_bytes": st.static.params, "grads_bytes": st.static.grads, "muon_bytes": st.static.muon,
                     "adamw_bytes": st.static.adamw, "idle_fraction": st.idle, "peak_stored_units": st.peak_units,
-                    "unit_bytes": st.unit_bytes, "activations_bytes": st.activations, "total_bytes": st.total}
+                    "unit_bytes": st.unit_bytes, "activations_bytes": st.activations,
+                    "stored_bytes": st.stored_bytes, "total_bytes": st.total}
                    for st in pipe.stages],
     }
 
@@ -111,16 +112,18 @@ def pipeline_lines(plan: Plan) -> list[str]:
         f"(backward {c.embed_backward:.3f}), loss {c.loss:.3f} (backward {c.loss_backward:.3f})",
         f"  simulated makespan {r.makespan:.2f}; idle fraction {r.idle_fraction:.4f} (interleaved 1F1B's "
         f"(p-1)/(v m) with v = {pipe.mean_laps:.2f} laps: {pipe.interleaved_idle:.4f})",
-        f"  stored activations: peak units x one lap segment's bytes (activation_checkpointing="
-        f"{cfg.train.activation_checkpointing}, micro-batch {cfg.data.micro_batch_size}); not counted: the "
-        "optimizer step's working memory, the logits and the loss's transients",
+        f"  activations (activation_checkpointing={cfg.train.activation_checkpointing}, micro-batch "
+        f"{cfg.data.micro_batch_size}): peak stored units x one lap segment's bytes, and the peak of the run "
+        "replayed with the embedding's and loss's units at their own sizes (stored, which the sum counts; not "
+        "counted: the optimizer step's working memory and the loss's backward transients)",
         f"  {'stage':>5} {'core':>7} {'parameters':>11} {'params':>12} {'grads':>12} {'Muon':>12} {'AdamW':>12} "
-        f"{'units':>5} {'unit':>12} {'activations':>12} {'sum':>12} {'idle':>7}",
+        f"{'units':>5} {'unit':>12} {'units x unit':>12} {'stored':>12} {'sum':>12} {'idle':>7}",
     ]
     for st in pipe.stages:
         s = st.static
         verdict = "" if st.total <= usable else "  does NOT fit"
         lines.append(f"  {st.rank:5d} {st.core_blocks[0]:3d}-{st.core_blocks[1] - 1:<3d} {st.n_params / 1e6:10.2f}M "
                      f"{gib(s.params)} {gib(s.grads)} {gib(s.muon)} {gib(s.adamw)} {st.peak_units:5d} "
-                     f"{gib(st.unit_bytes)} {gib(st.activations)} {gib(st.total)} {st.idle:7.4f}{verdict}")
+                     f"{gib(st.unit_bytes)} {gib(st.activations)} {gib(st.stored_bytes)} {gib(st.total)} "
+                     f"{st.idle:7.4f}{verdict}")
     return lines

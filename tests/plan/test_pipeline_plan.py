@@ -105,8 +105,8 @@ def test_cli_pipeline_json_and_text(capsys):
     assert pipe["micro_batches"] == 32 // (8 * 2) and len(pipe["stages"]) == 2
     for st in pipe["stages"]:
         parts = ("params_bytes", "grads_bytes", "muon_bytes", "adamw_bytes", "activations_bytes")
-        assert st["total_bytes"] == sum(st[k] for k in parts)
         assert st["activations_bytes"] == st["peak_stored_units"] * st["unit_bytes"]
+        assert st["total_bytes"] == sum(st[k] for k in parts[:-1]) + st["stored_bytes"]
     code, out, err = _cli(capsys, "--gpus-per-node", "2", "--pp", "2")
     assert code == 0, err
     assert "tp 1 x pp 2 x dp 1" in out and "simulated makespan" in out and "interleaved 1F1B" in out
@@ -122,3 +122,26 @@ def test_cli_pipeline_json_and_text(capsys):
 def test_cli_refuses_an_invalid_pp(capsys, args, needles):
     code, _, err = _cli(capsys, "--gpus-per-node", "4", *args)
     assert code == 2 and all(n in err for n in needles), err
+
+
+def test_stored_bytes_replay_counts_each_unit_at_its_size():
+    """GPipe on 2 ranks, 3 micro-batches: every forward before any backward, so rank 0 peaks at 3 x (Embed + a lap
+    segment) and rank 1 at 3 x (a lap segment + Loss); with every size 1 the replay is the simulator's unit count."""
+    from pipeline.ring import gpipe, uniform_specs
+
+    from megaloop.plan.pipeline import peak_stored_bytes
+
+    result = simulate(gpipe(2, 3), uniform_specs(3))
+    assert peak_stored_bytes(result, [1, 2], embed=10, loss=100) == [3 * (10 + 1), 3 * (2 + 100)]
+    _, plan = _plan(["data.global_batch_size=32", "data.micro_batch_size=4"], 2)
+    sim = plan.pipeline.result
+    assert peak_stored_bytes(sim, [1, 1], 1, 1) == sim.peak_stored
+
+
+def test_in_flight_bound_is_kept():
+    """--in-flight K: at most K x pp micro-batches hold lap activations on any rank."""
+    cfg = load_config(TINY, ["parallel.pp=2", "data.global_batch_size=64", "data.micro_batch_size=2"], world_size=2,
+                      allow_pipeline=True)
+    for k in (1, 2):
+        pipe = make_plan(cfg, GPUS["h100"], 2, in_flight=k).pipeline
+        assert pipe.max_in_flight == 2 * k and max(pipe.result.peak_in_flight) <= 2 * k
