@@ -1,8 +1,8 @@
 """The ring pipeline's plan (parallel.pp > 1): per-stage parameters, gradients, optimizer state and stored
 activations, and the simulated schedule of one optimizer step.
 
-Stages: ring rank s holds core blocks [s n_core // pp, (s + 1) n_core // pp); rank 0 also the embedding, the
-prelude, the prelude norm and the injection; the last rank C, the coda, the final norm and the head, which is the
+Stages: ring rank s holds the core blocks the model's stage program gives it (megaloop.model.stages.core_ranges:
+contiguous, the earlier stages one more when pp does not divide n_core); rank 0 also the embedding, the prelude, the prelude norm and the injection; the last rank C, the coda, the final norm and the head, which is the
 tied embedding, so the embedding is counted on both. A value embedding sits on the stage of the layer that uses it.
 Gradients and optimizer state are `static_terms` of the stage's parameters on its tp x dp ranks.
 
@@ -30,6 +30,7 @@ import numpy as np
 
 from megaloop.config import Config, ConfigError
 from megaloop.model.block import has_value_embedding
+from megaloop.model.stages import core_ranges as stage_core_ranges
 from megaloop.plan.activations import (
     Sizes,
     _stack_bytes,
@@ -105,9 +106,8 @@ class PipelinePlan:
 
 
 def core_ranges(n_core: int, pp: int) -> list[tuple[int, int]]:
-    """Core blocks [first, end) of each stage: consecutive, sizes differing by at most one."""
-    bounds = [s * n_core // pp for s in range(pp + 1)]
-    return list(zip(bounds[:-1], bounds[1:]))
+    """Core blocks [first, end) of each stage, as the model's stage program splits them."""
+    return [(first, last + 1) for first, last in stage_core_ranges(n_core, pp)]
 
 
 def _stages_of(name: str, cfg: Config, ranges: list[tuple[int, int]]) -> list[int]:

@@ -26,7 +26,7 @@ def _plan(overrides, world, pp=2):
 @pytest.mark.parametrize("n_core,pp", [(2, 2), (5, 3), (4, 4)])
 def test_stage_parameters_sum_to_the_model_plus_the_tied_embedding(n_core, pp):
     """Every parameter on exactly one stage except the tied embedding (first and last stage); core blocks split
-    into consecutive runs differing by at most one; fp32 parameters and gradients 4 bytes each."""
+    into consecutive runs differing by at most one, the larger first; fp32 parameters and gradients 4 bytes each."""
     cfg, plan = _plan([f"model.n_core={n_core}", "data.global_batch_size=32", "data.micro_batch_size=2",
                        "train.precision=fp32"], pp, pp)
     total = count_parameters(build_model(cfg.model, device="meta"))
@@ -35,6 +35,7 @@ def test_stage_parameters_sum_to_the_model_plus_the_tied_embedding(n_core, pp):
     assert sum(st.n_params for st in stages) == total + embed
     blocks = [end - first for first, end in (st.core_blocks for st in stages)]
     assert sum(blocks) == n_core and max(blocks) - min(blocks) <= 1 and min(blocks) >= 1
+    assert blocks == sorted(blocks, reverse=True)  # the earlier stages take the extra blocks, as the model's stages
     assert all(st.static.params == st.static.grads == 4 * st.n_params for st in stages)
 
 
