@@ -76,7 +76,8 @@ def plan_text(plan: Plan, world: int, nodes: int, config_name: str) -> str:
         f"{cfg.train.precision}; seq {m.seq_len}, mu_rec {m.mu_rec}, mu_bwd {m.backprop_depth}",
         f"  GPU {gib(g.total_bytes).strip()}, headroom {gib(g.headroom_bytes).strip()} (CUDA context and "
         f"workspaces 2 GiB + 5% allocator fragmentation) -> usable {gib(g.usable_bytes).strip()} per GPU",
-        "  figures are per rank (the most loaded one)",
+        "  figures are per rank (the most loaded one)" if lay.pp == 1 else
+        "  figures are per GPU of each pipeline stage (the most loaded rank of its tp x dp group)",
     ]
     if plan.pipeline is not None:
         return "\n".join(lines + pipeline_lines(plan))
@@ -113,9 +114,9 @@ def pipeline_lines(plan: Plan) -> list[str]:
         f"  simulated makespan {r.makespan:.2f}; idle fraction {r.idle_fraction:.4f} (interleaved 1F1B's "
         f"(p-1)/(v m) with v = {pipe.mean_laps:.2f} laps: {pipe.interleaved_idle:.4f})",
         f"  activations (activation_checkpointing={cfg.train.activation_checkpointing}, micro-batch "
-        f"{cfg.data.micro_batch_size}): peak stored units x one lap segment's bytes, and the peak of the run "
-        "replayed with the embedding's and loss's units at their own sizes (stored, which the sum counts; not "
-        "counted: the optimizer step's working memory and the loss's backward transients)",
+        f"{cfg.data.micro_batch_size}): peak stored units x one lap segment's bytes; stored: the run's peak with "
+        "the embedding's and the loss's units at their own sizes (the sum counts it; not the optimizer step's "
+        "working memory, nor the loss's backward transients)",
         f"  {'stage':>5} {'core':>7} {'parameters':>11} {'params':>12} {'grads':>12} {'Muon':>12} {'AdamW':>12} "
         f"{'units':>5} {'unit':>12} {'units x unit':>12} {'stored':>12} {'sum':>12} {'idle':>7}",
     ]
