@@ -23,6 +23,7 @@ The loop is always the ragged one (LoopedLM.ragged_loop True), so backprop depth
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -105,7 +106,8 @@ class LoopedStageProgram:
         first, last = core_ranges(model.cfg.n_core, pp)[stage]
         self.blocks = list(model.core[first:last + 1])
         self.batches = list(micro_batches)
-        self.scales = [float(scale)] * len(self.batches) if np.isscalar(scale) else [float(s) for s in scale]
+        single = isinstance(scale, numbers.Real)
+        self.scales = [float(scale)] * len(self.batches) if single else [float(s) for s in scale]
         if len(self.scales) != len(self.batches):
             raise ValueError(f"scale must be one float or one per micro-batch ({len(self.batches)}), got "
                              f"{len(self.scales)}")

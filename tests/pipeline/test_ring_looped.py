@@ -1,24 +1,27 @@
 """LoopedLM as ring-pipeline stages (megaloop.model.stages) equals one process in fp64 (1e-12): parcae-tiny with 4
-core blocks at pp 2 and 4, its RDM variant at pp 2, five micro-batches whose per-sequence depths differ within and
-between them (7, 3, 5, 1 and 6 laps; rows joining the ragged loop in different laps) with truncated backprop
-k_i = min(T_i, ceil(mu_rec / 2)) and the trainer's per-micro-batch token shares as loss scales, scheduled by
-ring_schedule and run by RingExecutor with every message's name and shape checked.
+core blocks at pp 2 and 4; its RDM and GPT variants and parcae with activation checkpointing "lap" and "block" at
+pp 2; five micro-batches whose per-sequence depths differ within and between them (7, 3, 5, 1 and 6 laps;
+rows joining the ragged loop in different laps) with truncated backprop k_i = min(T_i, ceil(mu_rec / 2)) and the
+trainer's per-micro-batch token shares as loss scales, scheduled by ring_schedule and run by RingExecutor with
+every message's name and shape checked.
 
 Per-micro-batch losses must match the reference's within 1e-12; every parameter's gradient summed over the ranks
 (the tied embedding's gets contributions on rank 0 and the last rank) within 1e-12 relative; and each rank's
-nonzero gradients must be exactly its stage's parameters, so the split is real."""
+nonzero gradients must be exactly its stage's parameters, so the split is real. The micro-batch spec's laps, kept
+laps and active fractions are checked against hand-counted values, and the inputs the ring cannot run fail with
+a clear error."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megaloop.model.stages import core_ranges
+from megaloop.model.stages import LoopedStageProgram, StageMicroBatch, core_ranges, micro_batch_spec
 from tests.pipeline.models import max_rel_err
 from tests.pipeline.spawn import spawn
 from tests.pipeline.workers_ring import build, reference, worker
 
 TOL = 1e-12
-CASES = {2: ["parcae", "rdm"], 4: ["parcae"]}
+CASES = {2: ["parcae", "rdm", "gpt", "parcae+lap", "parcae+block"], 4: ["parcae"]}
 
 
 def expected_owners(model, pp: int) -> list[set[str]]:
@@ -26,14 +29,13 @@ def expected_owners(model, pp: int) -> list[set[str]]:
     value tables, prelude, prelude norm and injection; rank r core blocks [r n / pp, (r + 1) n / pp) (n = 4 splits
     evenly); the last rank C, coda, final norm and the tied embedding; each block's value table with its block."""
     n = model.cfg.n_core
-    names = [name for name, _ in model.named_parameters()]
     layer_stage = {block.layer: 0 for block in model.prelude}
     layer_stage |= {block.layer: pp - 1 for block in model.coda}
     layer_stage |= {model.core[i].layer: r for r in range(pp) for i in range(r * n // pp, (r + 1) * n // pp)}
     owners = [set() for _ in range(pp)]
-    for name in names:
+    for name, _ in model.named_parameters():
         parts = name.split(".")
-        if parts[0] in ("core",):
+        if parts[0] == "core":
             stages = {int(parts[1]) * pp // n}
         elif parts[0] == "value_embeds":
             stages = {layer_stage[int(parts[1])]}
@@ -48,9 +50,9 @@ def expected_owners(model, pp: int) -> list[set[str]]:
     return owners
 
 
-def summed(parts, arch: str, name: str, like: torch.Tensor) -> torch.Tensor:
+def summed(parts, case: str, name: str, like: torch.Tensor) -> torch.Tensor:
     """A parameter's gradient summed over the ranks (zero where no rank has one)."""
-    return sum((part[arch][1][name] for part in parts if name in part[arch][1]), torch.zeros_like(like))
+    return sum((part[case][1][name] for part in parts if name in part[case][1]), torch.zeros_like(like))
 
 
 def test_core_ranges():
@@ -61,22 +63,47 @@ def test_core_ranges():
         core_ranges(2, 4)
 
 
+def test_micro_batch_spec():
+    """Depths [3, 7, 1, 5], k = 2: sorted 7, 5, 3, 1 end-aligned over 7 laps; lap t runs the rows with
+    T >= 7 - t: 1, 1, 2, 2, 3, 3, 4 of 4; the last 2 laps keep activations."""
+    model, batches = build("parcae")
+    assert micro_batch_spec(model, batches[0]) == {"laps": 7, "grad_laps": 2,
+                                                   "active": (0.25, 0.25, 0.5, 0.5, 0.75, 0.75, 1.0)}
+    program = LoopedStageProgram(model, 1, 2, batches)
+    assert [program.message_shape(0, lap)[0] for lap in range(7)] == [1, 1, 2, 2, 3, 3, 4]
+
+
+def test_unsupported_inputs_fail_clearly():
+    model, batches = build("parcae")
+    ids, labels = batches[0].input_ids, batches[0].labels
+    with pytest.raises(ValueError, match="needs backprop depths k_i = min"):
+        micro_batch_spec(model, StageMicroBatch(ids, labels, [3, 7, 1, 5], [1, 2, 1, 2]))
+    with pytest.raises(ValueError, match="at least one lap with gradient"):
+        micro_batch_spec(model, StageMicroBatch(ids, labels, [3, 7, 1, 5], 0))
+    with pytest.raises(ValueError, match="one float or one per micro-batch"):
+        LoopedStageProgram(model, 0, 2, batches, scale=[0.5, 0.5])
+    with pytest.raises(ValueError, match="stage must be in 0..1"):
+        LoopedStageProgram(model, 2, 2, batches)
+    with pytest.raises(ValueError, match="more pipeline stages than core blocks"):
+        LoopedStageProgram(model, 0, 5, batches)
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("pp", sorted(CASES))
 def test_stages_equal_single_process(pp, tmp_path):
     out = str(tmp_path / "ring")
     spawn(worker, pp, CASES[pp], out)
     parts = [torch.load(f"{out}.{rank}") for rank in range(pp)]
-    for arch in CASES[pp]:
-        ref_losses, ref_grads = reference(arch)
-        losses = parts[-1][arch][0]
+    for case in CASES[pp]:
+        ref_losses, ref_grads = reference(case)
+        losses = parts[-1][case][0]
         got = torch.stack([losses[mb] for mb in range(len(ref_losses))])
         loss_err = float((got - ref_losses).abs().max())
-        grad_err, worst = max((max_rel_err(summed(parts, arch, name, grad), grad), name)
+        grad_err, worst = max((max_rel_err(summed(parts, case, name, grad), grad), name)
                               for name, grad in ref_grads.items())
-        print(f"pp={pp} {arch}: max |loss - reference| {loss_err:.1e} (losses {[round(float(v), 5) for v in got]}), "
+        print(f"pp={pp} {case}: max |loss - reference| {loss_err:.1e} (losses {[round(float(v), 5) for v in got]}), "
               f"worst relative gradient error {grad_err:.1e} ({worst})")
         assert loss_err <= TOL and grad_err <= TOL
-        owners = expected_owners(build(arch)[0], pp)
+        owners = expected_owners(build(case)[0], pp)
         for rank, part in enumerate(parts):
-            assert set(part[arch][1]) == owners[rank], (rank, set(part[arch][1]) ^ owners[rank])
+            assert set(part[case][1]) == owners[rank], (rank, set(part[case][1]) ^ owners[rank])

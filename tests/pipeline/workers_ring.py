@@ -1,7 +1,7 @@
 """The looped model as ring-pipeline stages (megaloop.model.stages) on one rank, and the one-process reference it
-must equal: parcae-tiny (4 core blocks, short sequences, small vocabulary) and its RDM variant in float64, with
-micro-batches whose per-sequence depths differ within and between micro-batches and truncated backprop
-k_i = min(T_i, ceil(mu_rec / 2))."""
+must equal: parcae-tiny (4 core blocks, short sequences, small vocabulary), its RDM and GPT variants in float64,
+optionally with activation checkpointing, with micro-batches whose per-sequence depths differ within and between
+micro-batches and truncated backprop k_i = min(T_i, ceil(mu_rec / 2))."""
 from __future__ import annotations
 
 import datetime
@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from megaloop.config import load_config
 from megaloop.model import build_model
-from megaloop.model.stages import LoopedStageProgram, StageMicroBatch, micro_batch_spec
+from megaloop.model.stages import LoopedStageProgram, StageMicroBatch
 from pipeline.ring import MicroBatch, ring_schedule
 from pipeline.ring.execute import RingExecutor
 
@@ -22,17 +22,22 @@ SMALL = ["model.n_core=4", "model.seq_len=8", "model.vocab_size=64", "model.d_mo
 ARCH = {
     "parcae": [],
     "rdm": ["model.arch=rdm", "model.injection=concat", "model.block=sandwich", "model.use_C=false"],
+    "gpt": ["model.arch=gpt", "model.injection=none", "model.prelude_norm=false", "model.use_C=false",
+            "model.mu_rec=1", "model.mu_bwd=1", "model.depth_sampler=fixed", "model.n_prelude=0", "model.n_coda=0"],
 }
 # per-sequence depths of each micro-batch: lap counts 7, 3, 5, 1, 6; rows that start in different laps
 DEPTHS = [[3, 7, 1, 5], [2, 3], [5, 1, 4], [1, 1], [6, 2, 6, 3]]
 STEP, SEED = 3, 11
 
 
-def build(arch: str):
-    """The float64 model (the reference init, then every parameter perturbed: the init zeroes the output
-    projections, which would leave most gradients zero) and its micro-batches."""
+def build(case: str):
+    """The float64 model of `case` ("arch" or "arch+checkpointing"; the reference init, then every parameter
+    perturbed: the init zeroes the output projections, which would leave most gradients zero) and its
+    micro-batches (GPT: every depth 1; micro-batch 1 with its h_0 given, the others' drawn from their noise keys)."""
+    arch, _, checkpointing = case.partition("+")
     cfg = load_config(TINY, SMALL + ARCH[arch]).model
     model = build_model(cfg, seed=0).double()
+    model.set_activation_checkpointing(checkpointing or "none")
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():
@@ -41,13 +46,15 @@ def build(arch: str):
     batches, start = [], 0
     for mb, depth in enumerate(DEPTHS):
         rows = len(depth)
+        depth = [1] * rows if cfg.injection == "none" else depth
         gen = torch.Generator().manual_seed(100 + mb)
         ids = torch.randint(cfg.vocab_size, (rows, cfg.seq_len), generator=gen)
         labels = torch.randint(cfg.vocab_size, (rows, cfg.seq_len), generator=gen)
         labels[:, :2] = -100
         index = torch.arange(start, start + rows)
         start += rows
-        batches.append(StageMicroBatch(ids, labels, depth, [min(t, k) for t in depth], (SEED, STEP, index)))
+        h0 = torch.randn(rows, cfg.seq_len, cfg.d_model, generator=gen, dtype=torch.float64) if mb == 1 else None
+        batches.append(StageMicroBatch(ids, labels, depth, [min(t, k) for t in depth], (SEED, STEP, index), h0))
     return model, batches
 
 
@@ -57,34 +64,30 @@ def scales(batches) -> list[float]:
     return [t / sum(tokens) for t in tokens]
 
 
-def reference(arch: str):
+def reference(case: str):
     """One process: LoopedLM.forward on each micro-batch, loss times its scale, backward; losses and gradients."""
-    model, batches = build(arch)
+    model, batches = build(case)
     losses = []
     for batch, scale in zip(batches, scales(batches)):
-        out = model(batch.input_ids, batch.labels, batch.depth, batch.backprop_depth, noise_key=batch.noise_key)
+        out = model(batch.input_ids, batch.labels, batch.depth, batch.backprop_depth, batch.h0, batch.noise_key)
         loss = out.loss * scale
         loss.backward()
         losses.append(loss.detach())
     return torch.stack(losses), {n: p.grad for n, p in model.named_parameters()}
 
 
-def specs_for(model, batches) -> list[MicroBatch]:
-    return [MicroBatch(**micro_batch_spec(model, b)) for b in batches]
-
-
-def run_stage(rank: int, world: int, arch: str):
+def run_stage(rank: int, world: int, case: str):
     """This rank's stage under the ring schedule, messages checked: (losses on the last rank, nonzero grads)."""
-    model, batches = build(arch)
+    model, batches = build(case)
     program = LoopedStageProgram(model, rank, world, batches, scales(batches))
-    specs = specs_for(model, batches)
+    specs = [MicroBatch(**spec) for spec in program.specs()]
     actions = ring_schedule(specs, world, max_in_flight=2)[rank]
     result = RingExecutor(program, dtype=torch.float64, check_messages=True).run(actions, specs)
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().max() > 0}
     return result.losses, grads
 
 
-def worker(rank: int, world: int, archs: list, out: str) -> None:
+def worker(rank: int, world: int, cases: list, out: str) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    results = {arch: run_stage(rank, world, arch) for arch in archs}
+    results = {case: run_stage(rank, world, case) for case in cases}
     torch.save(results, f"{out}.{rank}")
