@@ -59,9 +59,13 @@ class ParallelRuntime:
     device = property(lambda self: self.layout.device)
 
     # ---- model and gradients --------------------------------------------------------------------------------
-    def prepare_model(self, model: torch.nn.Module):
+    def prepare_model(self, model: torch.nn.Module, materialize=None):
         """Split the model by the plan (tp > 1), put its gradients in a plain (all-reduced) buffer and attach the
-        data-parallel reducer; returns what to call."""
+        data-parallel reducer; returns what to call.
+
+        materialize(model, tp_info), when given, runs right after the split, before the buffer: for a model built on
+        the meta device, it allocates and initialises what this rank holds (its shards, the replicated parameters),
+        so no rank ever allocates a whole split parameter set (megaloop's trainer passes one)."""
         self.model = model
         wrapped = model
         if self.layout.tp > 1:
@@ -69,6 +73,8 @@ class ParallelRuntime:
             self.tp_info = wrapped.tp_info
         else:
             self.tp_info = TensorParallelInfo(replicated=[n for n, _ in model.named_parameters()])
+        if materialize is not None:
+            materialize(model, self.tp_info)
         named = list(model.named_parameters())
         self.use_buffer(GradBuffer(named[::-1]))  # backward order: early buckets complete early
         return wrapped

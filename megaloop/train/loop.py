@@ -14,6 +14,7 @@ from megaloop.config import Config
 from megaloop.depth import make_sampler
 from megaloop.model import build_model, count_parameters
 from megaloop.optim import build_optimizer
+from megaloop.train.build import held_parameters
 from megaloop.train.data import open_data
 from megaloop.train.evaluate import default_val_depths, final_val_depths, validation_losses
 from megaloop.train.flops import FlopModel, device_peak_tflops
@@ -93,11 +94,17 @@ def train(cfg: Config, runtime=None) -> RunSummary:
 
 
 def build_model_and_optimizer(cfg: Config, runtime, device: torch.device):
-    """The model as the runtime runs it (split, wrapped) and its optimizer, distributed as the layout needs."""
+    """The model as the runtime runs it (split, wrapped) and its optimizer, distributed as the layout needs. Under
+    tensor parallelism the model is built on the meta device and each rank materialises only what it holds."""
     precision = cfg.train.precision
-    model = build_model(cfg.model, device=device, seed=cfg.train.seed).to(param_dtype(precision))
-    model.set_execution(cfg.train.activation_checkpointing, cfg.train.compile)
-    model = runtime.prepare_model(model)
+    if getattr(runtime, "tp_size", 1) > 1:
+        model = build_model(cfg.model, device="meta").to(param_dtype(precision))
+        model.set_execution(cfg.train.activation_checkpointing, cfg.train.compile)
+        model = runtime.prepare_model(model, materialize=held_parameters(cfg.model, cfg.train.seed, device))
+    else:
+        model = build_model(cfg.model, device=device, seed=cfg.train.seed).to(param_dtype(precision))
+        model.set_execution(cfg.train.activation_checkpointing, cfg.train.compile)
+        model = runtime.prepare_model(model)
     parts = runtime.optimizer_parts() if hasattr(runtime, "optimizer_parts") else None
     optimizer = build_optimizer(model.named_parameters(), cfg.optim, cfg.train.steps, parts=parts)
     return model, runtime.prepare_optimizer(apply_optimizer_precision(optimizer, precision))

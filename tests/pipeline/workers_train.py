@@ -85,3 +85,30 @@ def teardown_worker(rank: int, world: int, config_path: str, overrides: list[str
     MetricsWriter.write = write
     train(load_config(config_path, overrides))
     torch.save({"during": max(during), "after": gloo_threads()}, f"{out_path}.{rank}")
+
+
+def sharded_build_worker(rank: int, world: int, config_path: str, overrides: list[str], out_path: str) -> None:
+    """build_model_and_optimizer under this world's layout (tp > 1: meta build + held parameters only) against an
+    eager single-process build cut by the same shard specs: how many parameters are bit-identical, and the bytes
+    this rank holds against the whole model's."""
+    from megaloop.model import build_model
+    from megaloop.train.loop import build_model_and_optimizer
+    from megaloop.train.precision import param_dtype
+    from pipeline.tensor_parallel import shard_tensor
+
+    cfg = load_config(config_path, overrides)
+    runtime = make_runtime(cfg, torch.device("cpu"))
+    model, _ = build_model_and_optimizer(cfg, runtime, torch.device("cpu"))
+    reference = dict(build_model(cfg.model, seed=cfg.train.seed).to(param_dtype(cfg.train.precision))
+                     .named_parameters())
+    shards, tp_rank = runtime.tp_info.shards, runtime.tp_info.tp_rank
+    held = dict(runtime.model.named_parameters())
+    equal = sum(torch.equal(p, shard_tensor(reference[n], shards[n], tp_rank) if n in shards else reference[n])
+                for n, p in held.items())
+    rope = torch.equal(runtime.model.rope_cos, build_model(cfg.model, seed=0).to(param_dtype(cfg.train.precision))
+                       .rope_cos)
+    torch.save({"params": len(held), "equal": equal, "rope": rope, "split": len(shards),
+                "held_bytes": sum(p.numel() * p.element_size() for p in held.values()),
+                "full_bytes": sum(p.numel() * p.element_size() for p in reference.values()),
+                "dtype": str(next(iter(held.values())).dtype)}, f"{out_path}.{rank}")
+    runtime.close()
