@@ -53,6 +53,27 @@ def core_ranges(n_core: int, pp: int) -> list[tuple[int, int]]:
     return ranges
 
 
+def stage_parameter_names(model: LoopedLM, stage: int, pp: int) -> list[str]:
+    """The parameters ring rank `stage` of `pp` holds, in model.named_parameters() order: rank 0 the embedding, the
+    prelude, the prelude norm and the injection; every rank its core segment (core_ranges); the last rank C, the
+    coda, the final norm and the tied embedding (embed.weight is on rank 0 AND the last rank: its gradient is summed
+    between the two); each block's value-embedding table goes with its block. pp 1: every parameter."""
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage must be in 0..{pp - 1} for pp={pp}, got {stage}")
+    first, last = core_ranges(model.cfg.n_core, pp)[stage]
+    prefixes = [f"core.{i}" for i in range(first, last + 1)]
+    blocks = list(model.core[first:last + 1])
+    if stage == 0:
+        prefixes += ["embed", "prelude", "prelude_norm", "injection"]
+        blocks += list(model.prelude)
+    if stage == pp - 1:
+        prefixes += ["embed", "C", "coda", "final_norm"]
+        blocks += list(model.coda)
+    prefixes += [f"value_embeds.{block.layer}" for block in blocks]
+    return [name for name, _ in model.named_parameters()
+            if any(name == p or name.startswith(p + ".") for p in prefixes)]
+
+
 @dataclass(frozen=True)
 class StageMicroBatch:
     """One micro-batch as LoopedLM.forward takes it: input_ids and labels [B, S]; depth and backprop_depth as host
