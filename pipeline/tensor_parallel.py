@@ -1,18 +1,32 @@
 """Apply a tensor-parallel plan (module-name patterns -> styles, see megaloop/model/tp_plan.py) to a built model.
 
-The model is built whole on every rank (same seed, same values), then each split parameter is replaced by this
-rank's shard under the same name, and forward hooks add the communication at region boundaries (see
-collectives.py). Parameter names do not change, so checkpoints and optimizer grouping see the same names.
+Every module a style touches is swapped for an explicit parallel module whose forward states its communication
+(the region boundaries of collectives.py):
+
+    ColumnParallelLinear     nn.Linear with this rank's output features; no communication (its input is already
+                             in the column-parallel region, its output stays split)
+    RowParallelLinear        nn.Linear with this rank's input features; partial outputs summed over the group
+                             (all-reduce, or reduce-scatter along the sequence under sequence parallelism)
+    ColumnParallelEmbedding  nn.Embedding with this rank's embedding columns; no communication
+    VocabParallelEmbedding   nn.Embedding with this rank's vocabulary rows (pipeline/vocab_parallel.py)
+    ColumnRegionInput<M>     module M (attention, MLP) whose input first enters the column-parallel region
+    ColumnRegionOutput<M>    module M (the final norm) whose output enters the column-parallel region
+
+The parallel module takes over the replaced module's state (parameters, children, settings), the split weight
+replaced by this rank's shard, so parameter names do not change: checkpoints, optimizer grouping and the plan see
+the same names. The two region classes are made from the model's own class (a mixin in front of it, e.g.
+ColumnRegionInputAttention), since pipeline does not import the model's modules.
 
 The split is described per parameter by a :class:`ShardSpec` (dimension, number of equal parts that are split
 separately, tp size): the same description serves gathering a full tensor (distributed Muon, checkpoints, tests),
 and a Transformer Engine backend, whose Linear takes parallel_mode "column"/"row", a tp_group and
-sequence_parallel, can be given the very same group and flags instead of these hooks.
+sequence_parallel, can be given the very same group and flags instead of these modules. A model built on the meta
+device is split the same way (shards of meta tensors), so a rank can materialise only what it holds.
 """
 from __future__ import annotations
 
 import fnmatch
-import types
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -21,11 +35,12 @@ from torch import nn
 
 from pipeline.collectives import all_gather_along, enter_column_region, exit_row_region, group_rank, group_size
 from pipeline.grad_buffer import flat_all_reduce_
+from pipeline.vocab_parallel import VocabParallelEmbedding
 
 SPLIT_STYLES = ("vocab", "column", "column-paired", "row")
-HOOK_STYLES = ("enter", "gather-output")
+REGION_STYLES = ("enter", "gather-output")
 REPLICATED_STYLES = ("replicate-sequence-parallel", "replicate")
-STYLES = SPLIT_STYLES + HOOK_STYLES + REPLICATED_STYLES
+STYLES = SPLIT_STYLES + REGION_STYLES + REPLICATED_STYLES
 
 
 @dataclass(frozen=True)
@@ -76,6 +91,98 @@ class TensorParallelInfo:
     vocab_range: tuple[int, int] | None = None
 
 
+class ColumnParallelLinear(nn.Linear):
+    """nn.Linear holding this rank's output features (rows of the full weight, see its `shard`): y_r = x W_r^T.
+    No communication: x is already in the column-parallel region (the enclosing attention or MLP entered it, see
+    ColumnRegionInput) and y_r stays split (this rank's heads or hidden units)."""
+
+    shard: ShardSpec
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class RowParallelLinear(nn.Linear):
+    """nn.Linear holding this rank's input features (columns of the full weight): x_r W_r^T is this rank's partial
+    sum of the output, which exit_row_region sums over the tensor-parallel group (all-reduce; under sequence
+    parallelism a reduce-scatter along the sequence, leaving this rank's positions)."""
+
+    shard: ShardSpec
+    tp_group = None
+    sequence_parallel: bool = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return exit_row_region(F.linear(x, self.weight), self.tp_group, self.sequence_parallel)
+
+
+class ColumnParallelEmbedding(nn.Embedding):
+    """nn.Embedding holding this rank's embedding columns of every row (value embeddings, split along kv heads
+    like the attention's v): a plain lookup of every id, no communication; the vectors stay split."""
+
+    shard: ShardSpec
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq,
+                           self.sparse)
+
+
+class ColumnRegionInput:
+    """The "enter" style, put in front of the class of a module whose input starts a column-parallel region
+    (attention, MLP): the input x is all-gathered along the sequence under sequence parallelism (else passed as
+    is, its gradient all-reduced over the group), then the module's own forward runs, unchanged."""
+
+    tp_group = None
+    sequence_parallel: bool = False
+
+    def forward(self, x: torch.Tensor, *args, **kwargs):
+        return super().forward(enter_column_region(x, self.tp_group, self.sequence_parallel), *args, **kwargs)
+
+
+class ColumnRegionOutput:
+    """The "gather-output" style: the module's own forward, then its output enters the column-parallel region (the
+    final norm, whose output feeds the vocabulary-parallel head: all-gathered along the sequence under sequence
+    parallelism, else passed as is with its gradient all-reduced)."""
+
+    tp_group = None
+    sequence_parallel: bool = False
+
+    def forward(self, *args, **kwargs):
+        return enter_column_region(super().forward(*args, **kwargs), self.tp_group, self.sequence_parallel)
+
+
+@functools.cache
+def region_class(region: type, base: type) -> type:
+    """The class `base` with the region class in front, e.g. ColumnRegionInput + Attention ->
+    ColumnRegionInputAttention (everything but the added communication is base's)."""
+    return type(f"{region.__name__}{base.__name__}", (region, base), {"__doc__": region.__doc__})
+
+
+# (style, exact module type) -> (parallel class, split dimension of the weight, equal parts split separately)
+SPLITS = {
+    ("vocab", nn.Embedding): (VocabParallelEmbedding, 0, 1),
+    ("column", nn.Embedding): (ColumnParallelEmbedding, 1, 1),
+    ("column", nn.Linear): (ColumnParallelLinear, 0, 1),
+    ("column-paired", nn.Linear): (ColumnParallelLinear, 0, 2),
+    ("row", nn.Linear): (RowParallelLinear, 1, 1),
+}
+REGIONS = {"enter": ColumnRegionInput, "gather-output": ColumnRegionOutput}
+
+
+def take_over(cls: type, module: nn.Module, **settings) -> nn.Module:
+    """A new `cls` instance holding `module`'s state (parameters, buffers, children, attributes; the dicts are
+    copied, their values shared) plus `settings`. `cls` must subclass module's type, so everything but the
+    forward's communication stays the module's own. The caller puts it in module's place."""
+    if not issubclass(cls, type(module)):
+        raise TypeError(f"{cls.__name__} does not subclass {type(module).__name__}")
+    new = cls.__new__(cls)
+    new.__dict__.update(module.__dict__)
+    for name in ("_parameters", "_buffers", "_modules"):
+        new.__dict__[name] = dict(module.__dict__[name])
+    for name, value in settings.items():
+        setattr(new, name, value)
+    return new
+
+
 def _matching_styles(name: str, plan) -> list[str]:
     styles = [style for pattern, style in plan if fnmatch.fnmatchcase(name, pattern)]
     for style in styles:
@@ -84,61 +191,42 @@ def _matching_styles(name: str, plan) -> list[str]:
     return styles
 
 
-def _replace_param(module: nn.Module, pname: str, spec: ShardSpec, rank: int) -> None:
-    old = getattr(module, pname)
-    new = nn.Parameter(shard_tensor(old.detach(), spec, rank), requires_grad=old.requires_grad)
-    setattr(module, pname, new)
-
-
-def _split_module(module: nn.Module, style: str, tp: int, rank: int) -> ShardSpec:
-    """Replace the module's weight by its shard and fix its size attributes; return the spec."""
-    if isinstance(module, nn.Embedding):
-        dim = 0 if style == "vocab" else 1
-    elif isinstance(module, nn.Linear):
-        if style == "vocab":
-            raise ValueError("style 'vocab' applies to nn.Embedding modules only")
-        dim = 1 if style == "row" else 0
-        if module.bias is not None:
-            raise ValueError("tensor parallelism here splits bias-free Linear layers only (the looped LM has none)")
+def split_module(module: nn.Module, style: str, tp: int, rank: int, group, sequence_parallel: bool) -> nn.Module:
+    """The parallel module for a split style (see SPLITS): module's state with its weight cut to this rank's shard
+    (`.shard` is its ShardSpec) and its size attributes fixed."""
+    key = (style, type(module))
+    if key not in SPLITS:
+        allowed = sorted({f"{s} on nn.{t.__name__}" for s, t in SPLITS})
+        raise TypeError(f"tensor-parallel style {style!r} cannot split a {type(module).__name__}; allowed: "
+                        f"{allowed} (plain torch modules; a subclass with its own forward needs its own parallel class)")
+    if getattr(module, "bias", None) is not None:
+        raise ValueError("tensor parallelism here splits bias-free Linear layers only (the looped LM has none)")
+    cls, dim, parts = SPLITS[key]
+    spec = ShardSpec(dim, tp, parts)
+    new = take_over(cls, module, shard=spec, tp_group=group, sequence_parallel=sequence_parallel)
+    new.weight = nn.Parameter(shard_tensor(module.weight.detach(), spec, rank),
+                              requires_grad=module.weight.requires_grad)
+    if isinstance(new, nn.Linear):
+        new.out_features, new.in_features = new.weight.shape
     else:
-        raise TypeError(f"style {style!r} needs an nn.Linear or nn.Embedding, got {type(module).__name__}")
-    spec = ShardSpec(dim, tp, 2 if style == "column-paired" else 1)
-    _replace_param(module, "weight", spec, rank)
-    if isinstance(module, nn.Linear):
-        module.out_features, module.in_features = module.weight.shape
-    else:
-        module.num_embeddings, module.embedding_dim = module.weight.shape
-    return spec
+        new.num_embeddings, new.embedding_dim = new.weight.shape
+    if cls is VocabParallelEmbedding:
+        new.vocab_start, new.vocab_end = rank * new.num_embeddings, (rank + 1) * new.num_embeddings
+    return new
 
 
-def _vocab_parallel_forward(group, sequence_parallel: bool, start: int, end: int):
-    """forward for a vocabulary-split nn.Embedding: look up the ids this rank owns, zero the rest, sum the group."""
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        outside = (ids < start) | (ids >= end)
-        local_ids = (ids - start).masked_fill(outside, 0)
-        out = F.embedding(local_ids, self.weight, None, self.max_norm, self.norm_type, self.scale_grad_by_freq,
-                          self.sparse)
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return exit_row_region(out, group, sequence_parallel)
-
-    return forward
-
-
-def _add_hooks(module: nn.Module, style: str, group, sequence_parallel: bool) -> None:
-    if style == "enter":
-        def enter_hook(_module, args):
-            return (enter_column_region(args[0], group, sequence_parallel), *args[1:])
-        module.register_forward_pre_hook(enter_hook)
-    elif style == "gather-output":
-        module.register_forward_hook(lambda _m, _a, out: enter_column_region(out, group, sequence_parallel))
-    elif style == "row":
-        module.register_forward_hook(lambda _m, _a, out: exit_row_region(out, group, sequence_parallel))
+def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Put `new` in place of the submodule called `name`."""
+    if not name:
+        raise ValueError("a tensor-parallel plan cannot split or wrap the model itself; name its submodules")
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent), leaf, new)
 
 
 def apply_tensor_parallel(model: nn.Module, plan, layout) -> TensorParallelInfo:
-    """Split `model` in place by `plan` for this rank of `layout` (tp, tp_group, sequence_parallel) and return
-    the :class:`TensorParallelInfo`. With tp 1 nothing changes (every parameter is recorded as replicated).
+    """Split `model` in place by `plan` for this rank of `layout` (tp, tp_group, sequence_parallel): each module
+    with a split or region style is swapped for its parallel module (see the module docstring), and the
+    :class:`TensorParallelInfo` is returned. With tp 1 nothing changes (every parameter is recorded as replicated).
     Raises ValueError when a parameter is covered by no rule (a new module must be added to the plan)."""
     tp, group = layout.tp, layout.tp_group
     rank = group_rank(group)
@@ -148,23 +236,23 @@ def apply_tensor_parallel(model: nn.Module, plan, layout) -> TensorParallelInfo:
     info = TensorParallelInfo(tp=tp, tp_rank=rank, sequence_parallel=sp)
     covered: set[str] = set()
     for mname, module in list(model.named_modules()):
-        styles = _matching_styles(mname, plan)
         pnames = [f"{mname}.{p}" if mname else p for p, _ in module.named_parameters(recurse=False)]
-        for style in styles:
+        current = module
+        for style in _matching_styles(mname, plan):
             if style in SPLIT_STYLES and tp > 1:
-                spec = _split_module(module, style, tp, rank)
-                info.shards.update({n: spec for n in pnames if n.endswith(".weight")})
+                current = split_module(current, style, tp, rank, group, sp)
+                info.shards.update({n: current.shard for n in pnames if n.endswith(".weight")})
                 if style == "vocab":
-                    per_rank = module.weight.shape[0]
-                    info.vocab_range = (rank * per_rank, (rank + 1) * per_rank)
-                    module.forward = types.MethodType(
-                        _vocab_parallel_forward(group, sp, *info.vocab_range), module)
+                    info.vocab_range = (current.vocab_start, current.vocab_end)
+            elif style in REGION_STYLES and tp > 1:
+                current = take_over(region_class(REGIONS[style], type(current)), current, tp_group=group,
+                                    sequence_parallel=sp)
             if style in SPLIT_STYLES + REPLICATED_STYLES:
                 covered.update(pnames)
             if style == "replicate-sequence-parallel" and sp:
                 info.partial_grad.extend(n for n in pnames if n not in info.partial_grad)
-            if tp > 1:
-                _add_hooks(module, style, group, sp)
+        if current is not module:
+            _swap(model, mname, current)
     _check_coverage(model, covered, info)
     return info
 

@@ -1,6 +1,8 @@
-"""Cross-entropy over logits split along the vocabulary across the tensor-parallel group, without gathering them.
+"""The vocabulary split over the tensor-parallel group: the embedding (VocabParallelEmbedding) and the cross-entropy
+over logits split along the vocabulary, without gathering them. The tied head reuses the embedding's shard, so the
+logits of rank r are those of its vocabulary rows.
 
-Rank r holds logits z[..., start_r:end_r]. Per token: m = max over the group of the local maxima (for stability),
+Cross-entropy: rank r holds logits z[..., start_r:end_r]. Per token: m = max over the group of the local maxima (for stability),
 S = sum over the group of sum(exp(z_local - m)), z_y = the target's logit (found on the rank that owns it, summed over
 the group), loss = log S - (z_y - m). Backward: softmax_local - onehot_local, with no communication. Every rank of the
 group ends with the same per-token losses (they are the full cross-entropy).
@@ -9,10 +11,32 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
-from pipeline.collectives import all_reduce_
+from pipeline.collectives import all_reduce_, exit_row_region
 
 IGNORE_INDEX = -100
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """nn.Embedding holding rows vocab_start .. vocab_end - 1 of the full table (made by
+    pipeline.tensor_parallel.apply_tensor_parallel). forward: look up the ids this rank owns, zeros for the others,
+    then sum over the group with exit_row_region (all-reduce; under sequence parallelism a reduce-scatter along the
+    sequence), so every rank ends with the full embedding of its positions."""
+
+    vocab_start: int = 0
+    vocab_end: int = 0
+    tp_group = None
+    sequence_parallel: bool = False
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight, None, self.max_norm, self.norm_type, self.scale_grad_by_freq,
+                          self.sparse)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return exit_row_region(out, self.tp_group, self.sequence_parallel)
 
 
 class _VocabParallelCE(torch.autograd.Function):
