@@ -68,6 +68,7 @@ class LoopedLM(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.activation_checkpointing = "none"
         self.ragged_loop = True  # False: the masked loop (every row runs max n + max k laps), for comparison
+        self.sequence_parts, self.sequence_shard = 1, None  # see set_sequence_shard
 
     # ---- execution -----------------------------------------------------------------------------------------
     def set_execution(self, activation_checkpointing: str = "none", compile: bool = False) -> "LoopedLM":
@@ -207,12 +208,25 @@ class LoopedLM(nn.Module):
             raise ValueError("the GPT baseline (injection none) runs its blocks once: depth must be 1")
         return depth
 
+    def set_sequence_shard(self, parts: int, shard) -> None:
+        """Declare that e holds one of `parts` equal slices of the sequence (a sequence-parallel runtime sets this):
+        initial_state then draws h_0 for the whole sequence and returns shard(full), this process's slice along
+        dim 1, so that h_0 is the single-process one cut like e. parts=1, shard=None: e holds the whole sequence."""
+        if parts < 1 or (parts > 1) != callable(shard):
+            raise ValueError(f"set_sequence_shard(parts={parts}, shard={shard!r}): give parts > 1 with a callable "
+                             "shard(full) -> this slice, or parts=1 with shard=None")
+        self.sequence_parts, self.sequence_shard = parts, shard
+
     def initial_state(self, e: torch.Tensor, noise_key=None) -> torch.Tensor:
+        """h_0 shaped like e, drawn per global sample from noise_key = (seed, step, sample_index [B]) (default
+        (0, 0, arange(B))); for a sequence slice (set_sequence_shard) the slice of the whole sequence's draw."""
         from megaloop.depth import initial_state
 
         b, s, d = e.shape
         seed, step, index = noise_key if noise_key is not None else (0, 0, torch.arange(b))
-        return initial_state(b, s, d, seed, step, index, std=self.cfg.std, device=e.device, dtype=torch.float32)
+        full = initial_state(b, s * self.sequence_parts, d, seed, step, index, std=self.cfg.std, device=e.device,
+                             dtype=torch.float32)
+        return full if self.sequence_shard is None else self.sequence_shard(full)
 
     def spectral_radius(self) -> float | None:
         return None if self.injection is None else self.injection.spectral_radius()
