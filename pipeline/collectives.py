@@ -10,7 +10,9 @@ sequence dimension is dim 1):
 
 plus split_seq (forward: this rank's sequence chunk; backward: all-gather) for tensors that are replicated but must
 enter the sequence-parallel region (the initial loop state). Every function is the identity when the group is None
-(tensor-parallel size 1), so code using them needs no special case for one process.
+(tensor-parallel size 1), so code using them needs no special case for one process. The parallel modules call them
+through enter_column_region (ColumnRegionInput / ColumnRegionOutput in tensor_parallel.py) and exit_row_region
+(RowParallelLinear, VocabParallelEmbedding), which pick the sequence-parallel pair or the plain one.
 """
 from __future__ import annotations
 

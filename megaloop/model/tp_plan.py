@@ -1,19 +1,26 @@
 """The tensor-parallel plan of the looped LM, as data: module-name patterns -> how the module is split.
 
 `pipeline.tensor_parallel.apply_tensor_parallel` applies a plan to a built model (the model itself knows nothing of
-parallelism). Patterns are fnmatch patterns over qualified module names (`*` also matches dots); every matching
-rule applies, and every parameter must be covered by some rule. Styles:
+parallelism) by swapping each module a split or region style names for an explicit parallel module that holds the
+same parameters under the same names (the class each style becomes is in brackets). Patterns are fnmatch patterns
+over qualified module names (`*` also matches dots); every matching rule applies, and every parameter must be
+covered by some rule. Styles:
 
   vocab                        nn.Embedding split along vocabulary rows; the tied head reuses the same shard, so
                                the logits come out split along the vocabulary (vocab-parallel cross-entropy)
+                               [VocabParallelEmbedding]
   column                       output features split (Linear: weight rows; Embedding: embedding columns); no comm
+                               [ColumnParallelLinear, ColumnParallelEmbedding]
   column-paired                like column, for a Linear whose output is two halves [gate; up] chunked in forward:
                                each half is split, so a rank holds [gate_r; up_r] (SwiGLU's fc)
+                               [ColumnParallelLinear]
   row                          input features split; the partial outputs are all-reduced, or reduce-scattered
-                               along the sequence under sequence parallelism
+                               along the sequence under sequence parallelism [RowParallelLinear]
   enter                        the module's input enters a column-parallel region: all-gathered along the sequence
                                under sequence parallelism (else: identity forward, all-reduced gradient)
+                               [ColumnRegionInput in front of the module's class, e.g. ColumnRegionInputAttention]
   gather-output                the same for the module's output (the final norm feeds the vocab-parallel head)
+                               [ColumnRegionOutput in front of the module's class]
   replicate-sequence-parallel  parameters kept whole on every rank; under sequence parallelism the module sees only
                                this rank's positions, so their gradients are summed over the tensor-parallel group
 
