@@ -18,7 +18,7 @@ def run(config_path: str, overrides: list[str]) -> dict:
     runtime = make_runtime(cfg, torch.device("cpu"))
     kept = {}
     prepare = runtime.prepare_model
-    runtime.prepare_model = lambda model: kept.setdefault("model", prepare(model))
+    runtime.prepare_model = lambda model, **kw: kept.setdefault("model", prepare(model, **kw))
     summary = train(cfg, runtime=runtime)
     params = {n: gather_full(p.detach(), runtime.shard_spec(n), getattr(runtime, "layout", None) and
                              runtime.layout.tp_group) for n, p in kept["model"].named_parameters()}
