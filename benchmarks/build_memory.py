@@ -1,7 +1,7 @@
 """Peak memory of building the model per tensor-parallel rank: the trainer's build (meta device, each rank
 materialises only its shards) against building the whole model eagerly and then splitting it.
 
-    python benchmarks/build_memory.py [--config configs/parcae-140m.yaml] [--tps 1,2,4]
+    python benchmarks/build_memory.py [--config configs/parcae-370m.yaml] [--tps 1,2] [--set model.vocab_size=4096]
 
 Each tp size runs in its own processes (gloo, one thread each, MALLOC_MMAP_THRESHOLD_=65536 so that freed tensors
 leave the resident set at once). Measured per rank, as the peak resident set (VmHWM, reset at the start) minus the
@@ -36,7 +36,7 @@ def _reset_peak() -> None:
         f.write("5")
 
 
-def measure(config: str, tp: int, eager: bool) -> dict:
+def measure(config: str, tp: int, eager: bool, sets: list[str]) -> dict:
     import torch
 
     from megaloop.config import load_config
@@ -47,7 +47,7 @@ def measure(config: str, tp: int, eager: bool) -> dict:
 
     torch.set_num_threads(1)
     cfg = load_config(config, ["train.precision=fp32", f"parallel.tp={tp}", "parallel.dp=1", "data.micro_batch_size=1",
-                               "data.global_batch_size=1"])
+                               "data.global_batch_size=1", *sets])
     runtime = make_runtime(cfg, torch.device("cpu"))
     before = _status_mb("VmRSS")
     _reset_peak()
@@ -79,17 +79,17 @@ def measure(config: str, tp: int, eager: bool) -> dict:
 
 def _child() -> None:
     config, tp, eager, out = sys.argv[2], int(sys.argv[3]), sys.argv[4] == "eager", Path(sys.argv[5])
-    result = measure(config, tp, eager)
+    result = measure(config, tp, eager, json.loads(sys.argv[6]))
     Path(f"{out}.{result['rank']}").write_text(json.dumps(result))
 
 
-def run(config: str, tp: int, eager: bool) -> list[dict]:
+def run(config: str, tp: int, eager: bool, sets: list[str]) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out"
         launcher = [sys.executable] if tp == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                      f"--nproc-per-node={tp}"]
         cmd = launcher + [str(Path(__file__).resolve()), "--child", config, str(tp),
-                          "eager" if eager else "held", str(out)]
+                          "eager" if eager else "held", str(out), json.dumps(sets)]
         subprocess.run(cmd, check=True, cwd=REPO, env={**MEASURE_ENV, "PYTHONPATH": str(REPO)},
                        stdout=subprocess.DEVNULL)
         return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(tp)]
@@ -97,16 +97,20 @@ def run(config: str, tp: int, eager: bool) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(REPO / "configs" / "parcae-140m.yaml"))
-    parser.add_argument("--tps", default="1,2,4")
+    parser.add_argument("--config", default=str(REPO / "configs" / "parcae-370m.yaml"))
+    parser.add_argument("--tps", default="1,2", help="tp sizes (each must divide the heads and the vocabulary)")
+    parser.add_argument("--set", dest="sets", action="append", default=None,
+                        help="config overrides; default model.vocab_size=4096, so that the parameters, not the "
+                             "transient of the embedding's orthogonal init, set the peak")
     args = parser.parse_args()
-    print(f"build memory per rank, {Path(args.config).stem}, fp32, MiB: peak resident set above the start while the "
+    sets = ["model.vocab_size=4096"] if args.sets is None else args.sets
+    print(f"build memory per rank, {Path(args.config).stem} {' '.join(sets)}, fp32, MiB: peak resident set above the start while the "
           "model is built and split (model), and through the gradient buffers and optimizer (whole)")
     print(f"{'tp':>3} {'rank':>4} {'held params':>11} {'model: meta + held':>18} {'eager + split':>13} "
           f"{'whole: meta + held':>18} {'eager + split':>13}")
     for tp in (int(x) for x in args.tps.split(",")):
-        held = run(args.config, tp, eager=False)
-        eager = run(args.config, tp, eager=True) if tp > 1 else held
+        held = run(args.config, tp, eager=False, sets=sets)
+        eager = run(args.config, tp, eager=True, sets=sets) if tp > 1 else held
         for h, e in zip(held, eager):
             print(f"{tp:>3} {h['rank']:>4} {h['held_mb']:>11.1f} {h['model_mb']:>18.1f} {e['model_mb']:>13.1f} "
                   f"{h['peak_mb']:>18.1f} {e['peak_mb']:>13.1f}")
