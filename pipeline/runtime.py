@@ -3,7 +3,7 @@
     runtime = ParallelRuntime(layout, tp_plan, muon_functions, zero_stage=1, grad_reduce_dtype="fp32")
     model = runtime.prepare_model(model)                 # tensor parallelism (plan) + gradient buffer and reducer
     optimizer = build_optimizer(model.named_parameters(), ..., parts=runtime.optimizer_parts())
-    ... loss.backward() per micro-batch ...
+    runtime.run_micro_batches(model, micro_batches, scales)  # forward + backward of each (pipeline/micro_batches.py)
     runtime.reduce_gradients(model)                      # dp reduce-scatter (ZeRO-1) or all-reduce + tp partials
     optimizer.step(step)                                 # global clip, distributed Muon, ZeRO-1 AdamW, all-gather
     runtime.sum_over_dp(x) / mean_over_dp(x)             # logged metrics
@@ -15,6 +15,8 @@ The per-matrix Muon math comes in as `muon_functions` (pipeline never imports me
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -23,6 +25,7 @@ from pipeline.data_parallel import DEFAULT_BUCKET_MB, BufferReducer
 from pipeline.dist_muon import MuonFunctions
 from pipeline.grad_buffer import GradBuffer, flat_all_reduce_
 from pipeline.layout import ParallelLayout, destroy_layout
+from pipeline.micro_batches import run_micro_batches
 from pipeline.optimizer_parts import OptimizerParts
 from pipeline.parallel_lm import ParallelLM
 from pipeline.tensor_parallel import TensorParallelInfo
@@ -86,6 +89,12 @@ class ParallelRuntime:
         self.buffer = buffer
         group = self.layout.dp_group if self.layout.dp > 1 else None
         self.reducer = BufferReducer(buffer, group, self.bucket_mb, self.grad_reduce_dtype)
+
+    def run_micro_batches(self, model, micro_batches, scales, autocast=contextlib.nullcontext, timer=None) -> list:
+        """A step's micro-batches, forward and backward each in order (loss times its scale, the last backward
+        overlapped with the gradient reduction); the per-micro-batch results (pipeline.micro_batches). The DeepSpeed
+        runtime inherits it: its backward goes through the engine."""
+        return run_micro_batches(self, model, micro_batches, scales, autocast, timer)
 
     def backward(self, loss: torch.Tensor) -> None:
         """One micro-batch's backward (the DeepSpeed runtime routes it through its engine)."""

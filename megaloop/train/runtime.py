@@ -5,7 +5,11 @@ pipeline groups), so the loop itself has no parallel code.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+from pipeline.micro_batches import run_micro_batches
 
 
 class SingleProcessRuntime:
@@ -25,6 +29,11 @@ class SingleProcessRuntime:
 
     def prepare_optimizer(self, optimizer):
         return optimizer
+
+    def run_micro_batches(self, model, micro_batches, scales, autocast=contextlib.nullcontext, timer=None) -> list:
+        """Forward and backward of each of a step's micro-batches in order, loss times its scale; the per-micro-batch
+        results (pipeline.micro_batches.run_micro_batches)."""
+        return run_micro_batches(self, model, micro_batches, scales, autocast, timer)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()

@@ -2,14 +2,16 @@
 weighted by its true share of the global batch's tokens, reduce gradients, clip and step; then (`reduce_step`, called
 by the loop) ONE packed reduction of the step's statistics over the whole job, which also carries the stop flag.
 
-The micro-batch loop never waits for the device: depths and micro-batch sizes are host integers planned before it
-(`plan_step`), the global token count is the host integer global_batch x seq (no collective), and the loss and
-telemetry stay device tensors, accumulated over every micro-batch (loss x tokens, telemetry x rows) and read once,
-after the packed reduction (`reduce_step`).
+The micro-batch loop is the runtime's (runtime.run_micro_batches: a plain loop, or a pipeline schedule), handed the
+step's micro-batches as megaloop.model.stages.StageMicroBatch and each one's loss scale. It never waits for the
+device: depths and micro-batch sizes are host integers planned before it (`plan_step`), the global token count is
+the host integer global_batch x seq (no collective), and the loss and telemetry stay device tensors, accumulated over
+every micro-batch (loss x tokens, telemetry x rows) and read once, after the packed reduction (`reduce_step`).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -17,6 +19,7 @@ import numpy as np
 import torch
 
 from megaloop.depth.balance import idle_fraction, split_rank_rows
+from megaloop.model.stages import StageMicroBatch
 from megaloop.train.flops import FlopModel
 from megaloop.train.precision import autocast_for
 
@@ -92,22 +95,13 @@ def train_step(model, optimizer, batch: dict, depth_sample, step: int, seed: int
     plan = plan_step(depth_sample, cfg.data.micro_batch_size, cfg.train.bucket_depths)
     stats, timer = StepStats(), StepTimer(device)
     _count_host(stats, plan, depth_sample, flop_model, seq)
-    inputs = [(tokens[torch.from_numpy(mb.rows)].to(device, non_blocking=True),
-               sample_index[torch.from_numpy(mb.rows)]) for mb in plan]
+    micro_batches = [_stage_micro_batch(tokens, sample_index, mb, device, (seed, step)) for mb in plan]
+    scales = [len(mb.rows) * seq / global_tokens for mb in plan]  # each one's share of the global token mean
+    autocast = functools.partial(autocast_for, cfg.train.precision, device)
     with loop_guard():
-        for i, (mb, (ids, mb_index)) in enumerate(zip(plan, inputs)):
-            t0 = timer.mark()
-            with autocast_for(cfg.train.precision, device):
-                out = model(ids[:, :-1], labels=ids[:, 1:], depth=mb.depth, backprop_depth=mb.backprop_depth,
-                            noise_key=(seed, step, mb_index))
-            n_tok = len(mb.rows) * seq
-            t1 = timer.mark()
-            if i == len(plan) - 1:
-                runtime.overlap_next_backward()  # gradients are final in this backward: reduce buckets as they are
-            runtime.backward(out.loss * (n_tok / global_tokens))
-            timer.add("forward", t0, t1)
-            timer.add("backward", t1, timer.mark())
-            _accumulate(stats, out, mb, n_tok)
+        results = runtime.run_micro_batches(model, micro_batches, scales, autocast, timer)
+        for mb, result in zip(plan, results):
+            _accumulate(stats, result, mb, len(mb.rows) * seq)
     t2 = timer.mark()
     runtime.reduce_gradients(model)
     stats.record = optimizer.step(step)
@@ -115,6 +109,14 @@ def train_step(model, optimizer, batch: dict, depth_sample, step: int, seed: int
     timer.add("optimizer", t2, timer.mark())
     stats.times.update(timer.totals())  # on a GPU: the step's one synchronisation, after all its work is queued
     return stats
+
+
+def _stage_micro_batch(tokens, sample_index, mb: MicroBatch, device, seed_step: tuple) -> StageMicroBatch:
+    """Micro-batch `mb`'s rows as the model takes them: inputs and next-token labels on `device`, host depths, and
+    h_0's noise key (seed, step, the rows' global sample indices)."""
+    rows = torch.from_numpy(mb.rows)
+    ids = tokens[rows].to(device, non_blocking=True)
+    return StageMicroBatch(ids[:, :-1], ids[:, 1:], mb.depth, mb.backprop_depth, (*seed_step, sample_index[rows]))
 
 
 def _count_host(stats: StepStats, plan: list[MicroBatch], depth_sample, flop_model: FlopModel, seq: int) -> None:
@@ -128,7 +130,8 @@ def _count_host(stats: StepStats, plan: list[MicroBatch], depth_sample, flop_mod
 
 
 def _accumulate(stats: StepStats, out, mb: MicroBatch, n_tok: int) -> None:
-    """Add one micro-batch's loss and telemetry to the step's running sums (device tensors, no read-back)."""
+    """Add one micro-batch's loss and telemetry (a pipeline.micro_batches.MicroBatchResult) to the step's running
+    sums (device tensors, no read-back)."""
     rows = len(mb.rows)
     stats.loss_sum = stats.loss_sum + out.loss.detach().to(torch.float64) * n_tok
     tel = out.telemetry

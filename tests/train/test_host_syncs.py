@@ -27,7 +27,9 @@ from tests.pipeline.spawn import spawn
 from tests.train.conftest import TINY, fast_overrides
 
 SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "item"}
-# the lines of megaloop/train/step.py from which gradient and optimizer traffic may start
+# the lines of megaloop/train/step.py (and of the micro-batch loop it hands to the runtime) from which gradient and
+# optimizer traffic may start
+STEP_FILES = ("megaloop/train/step.py", "pipeline/micro_batches.py")
 GRADIENT_CALLS = ("runtime.backward(", "runtime.reduce_gradients(", "optimizer.step(", "optimizer.zero_grad(")
 COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "reduce_scatter_tensor", "reduce_scatter", "reduce_scatter_single",
                "all_gather_into_tensor", "all_gather", "all_gather_single", "all_gather_coalesced", "all_gather_object",
@@ -62,7 +64,7 @@ def _origin(name: str, stack) -> str:
     """"stats" (runtime.sum_stats), "gradient" (a gradient or optimizer call of train_step) or "other: ..."."""
     if any(frame.name == "sum_stats" for frame in stack):
         return "stats"
-    step_lines = [frame.line or "" for frame in stack if frame.filename.endswith("megaloop/train/step.py")]
+    step_lines = [frame.line or "" for frame in stack if frame.filename.endswith(STEP_FILES)]
     if step_lines and any(call in step_lines[-1] for call in GRADIENT_CALLS):
         return "gradient"
     return f"other: {name}\n" + "".join(traceback.format_list(stack))
