@@ -17,6 +17,9 @@ How a stage maps to LoopedLM's seams (core_ranges splits the core blocks into pp
 - loss (last rank): un-permutes the rows, decode (C, coda, final norm), the tied head's logits, cross-entropy
   (ignore_index -100) times the micro-batch's scale.
 
+The parameters a rank uses are stage_parameter_names(model, stage, pp): a rank may build the model on the meta
+device and materialise only those (megaloop.train.build.held_parameters(names=...)).
+
 The loop is always the ragged one (LoopedLM.ragged_loop True), so backprop depths must be end-aligned
 (k_i = min(T_i, max k), what the trainer samples) and at least one lap must carry gradient. The GPT baseline
 (injection none) is one lap: rank 0 sends e itself into the core, h_0 is unused.
