@@ -198,12 +198,15 @@ def split_module(module: nn.Module, style: str, tp: int, rank: int, group, seque
     if key not in SPLITS:
         allowed = sorted({f"{s} on nn.{t.__name__}" for s, t in SPLITS})
         raise TypeError(f"tensor-parallel style {style!r} cannot split a {type(module).__name__}; allowed: "
-                        f"{allowed} (plain torch modules; a subclass with its own forward needs its own parallel class)")
+                        f"{allowed} (plain torch modules: a subclass with its own forward needs its own parallel "
+                        "class)")
     if getattr(module, "bias", None) is not None:
         raise ValueError("tensor parallelism here splits bias-free Linear layers only (the looped LM has none)")
     cls, dim, parts = SPLITS[key]
     spec = ShardSpec(dim, tp, parts)
-    new = take_over(cls, module, shard=spec, tp_group=group, sequence_parallel=sequence_parallel)
+    communicates = hasattr(cls, "tp_group")  # the classes that sum over the group declare it
+    group_settings = {"tp_group": group, "sequence_parallel": sequence_parallel} if communicates else {}
+    new = take_over(cls, module, shard=spec, **group_settings)
     new.weight = nn.Parameter(shard_tensor(module.weight.detach(), spec, rank),
                               requires_grad=module.weight.requires_grad)
     if isinstance(new, nn.Linear):

@@ -1,11 +1,11 @@
-"""The vocabulary split over the tensor-parallel group: the embedding (VocabParallelEmbedding) and the cross-entropy
-over logits split along the vocabulary, without gathering them. The tied head reuses the embedding's shard, so the
-logits of rank r are those of its vocabulary rows.
+"""The vocabulary split over the tensor-parallel group: the embedding (VocabParallelEmbedding) and the
+cross-entropy over logits split along the vocabulary, without gathering them. The tied head reuses the embedding's
+shard, so the logits of rank r are those of its vocabulary rows.
 
-Cross-entropy: rank r holds logits z[..., start_r:end_r]. Per token: m = max over the group of the local maxima (for stability),
-S = sum over the group of sum(exp(z_local - m)), z_y = the target's logit (found on the rank that owns it, summed over
-the group), loss = log S - (z_y - m). Backward: softmax_local - onehot_local, with no communication. Every rank of the
-group ends with the same per-token losses (they are the full cross-entropy).
+Cross-entropy: rank r holds logits z[..., start_r:end_r]. Per token: m = max over the group of the local maxima (for
+stability), S = sum over the group of sum(exp(z_local - m)), z_y = the target's logit (found on the rank that owns
+it, summed over the group), loss = log S - (z_y - m). Backward: softmax_local - onehot_local, with no communication.
+Every rank of the group ends with the same per-token losses (they are the full cross-entropy).
 """
 from __future__ import annotations
 

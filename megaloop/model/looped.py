@@ -6,7 +6,8 @@ precision recipes. Its three seams are public methods so that a pipeline can cut
   encode(ids, ctx) -> e;  loop_step(h, e, ctx) -> h';  decode(h, ctx) -> normalised hidden;  then logits()/loss.
 The forward runs the ragged loop (recurrence.py): the term of e in the injection is computed once per forward and
 each lap runs only the rows still looping. Activation checkpointing and compile are set by the trainer through
-set_activation_checkpointing / set_compile (execution.py).
+set_activation_checkpointing / set_compile (execution.py); a sequence-parallel runtime declares through
+set_sequence_shard that e holds a slice of the sequence, so initial_state cuts h_0 from the whole sequence's draw.
 """
 from __future__ import annotations
 

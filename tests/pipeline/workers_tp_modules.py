@@ -64,7 +64,8 @@ def module_errors(layout) -> dict:
         held = dict(holder.named_parameters())
         shard_err = max(float((held[n].detach() - shard_tensor(w, info.shards[n], rank)).abs().max())
                         for n, w in whole.items()) if info.shards else 0.0
-        out[style] = {"cls": type(holder.m).__name__, "names": sorted(held), "shards": {n: (s.dim, s.tp, s.parts) for n, s in info.shards.items()},
+        shards = {n: (s.dim, s.tp, s.parts) for n, s in info.shards.items()}
+        out[style] = {"cls": type(holder.m).__name__, "names": sorted(held), "shards": shards,
                       "err": err, "shard_err": shard_err, "is_base": isinstance(holder.m, type(module)),
                       "vocab_range": info.vocab_range}
     return out
