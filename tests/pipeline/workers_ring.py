@@ -1,7 +1,8 @@
 """The looped model as ring-pipeline stages (megaloop.model.stages) on one rank, and the one-process reference it
 must equal: parcae-tiny (4 core blocks, short sequences, small vocabulary), its RDM and GPT variants in float64,
 optionally with activation checkpointing, with micro-batches whose per-sequence depths differ within and between
-micro-batches and truncated backprop k_i = min(T_i, ceil(mu_rec / 2))."""
+micro-batches and truncated backprop k_i = min(T_i, ceil(mu_rec / 2)); and the memory runs, whose micro-batches
+loop n + 2 laps with gradient through the last 2 or through all of them."""
 from __future__ import annotations
 
 import datetime
@@ -91,3 +92,40 @@ def worker(rank: int, world: int, cases: list, out: str) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     results = {case: run_stage(rank, world, case) for case in cases}
     torch.save(results, f"{out}.{rank}")
+
+
+# laps without gradient in the deepest row of every micro-batch of the memory runs; GRAD_LAPS laps with gradient
+NO_GRAD_LAPS, GRAD_LAPS = (4, 16, 64), 2
+
+
+def memory_batches(model, n: int, full: bool) -> list[StageMicroBatch]:
+    """Three micro-batches whose deepest rows run n + GRAD_LAPS laps, with rows that join the ragged loop late
+    (depths n/2 + 2, 3 and 1); backprop depths min(T_i, GRAD_LAPS), or every lap (`full`)."""
+    cfg = model.cfg
+    depths = [[n + GRAD_LAPS, n + GRAD_LAPS], [n + GRAD_LAPS, n // 2 + GRAD_LAPS, 3], [1, n + GRAD_LAPS]]
+    batches, start = [], 0
+    for mb, depth in enumerate(depths):
+        gen = torch.Generator().manual_seed(200 + mb)
+        ids = torch.randint(cfg.vocab_size, (len(depth), cfg.seq_len), generator=gen)
+        index = torch.arange(start, start + len(depth))
+        start += len(depth)
+        kept = depth if full else [min(t, GRAD_LAPS) for t in depth]
+        batches.append(StageMicroBatch(ids, ids.clone(), depth, kept, (SEED, STEP, index)))
+    return batches
+
+
+def memory_worker(rank: int, world: int, out: str) -> None:
+    """This rank's (peak stored groups, peak autograd-saved bytes) for every n of NO_GRAD_LAPS, with truncated
+    backprop (False) and with gradient through every lap (True)."""
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    model = build_model(load_config(TINY, SMALL).model, seed=0).double()
+    peaks = {}
+    for full in (False, True):
+        for n in NO_GRAD_LAPS:
+            batches = memory_batches(model, n, full)
+            program = LoopedStageProgram(model, rank, world, batches, 1 / len(batches))
+            specs = [MicroBatch(**spec) for spec in program.specs()]
+            actions = ring_schedule(specs, world, max_in_flight=2)[rank]
+            result = RingExecutor(program, dtype=torch.float64).run(actions, specs)
+            peaks[full, n] = (result.peak_stored, result.peak_saved_bytes)
+    torch.save(peaks, f"{out}.{rank}")
