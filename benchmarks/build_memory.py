@@ -14,26 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MEASURE_ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+sys.path.insert(0, str(REPO))
 
-
-def _status_mb(field: str) -> float:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024.0
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+from benchmarks.rss import MEASURE_ENV, process_counts, reset_peak, status_mb  # noqa: E402
 
 
 def measure(config: str, tp: int, eager: bool, sets: list[str]) -> dict:
@@ -49,14 +38,14 @@ def measure(config: str, tp: int, eager: bool, sets: list[str]) -> dict:
     cfg = load_config(config, ["train.precision=fp32", f"parallel.tp={tp}", "parallel.dp=1", "data.micro_batch_size=1",
                                "data.global_batch_size=1", *sets])
     runtime = make_runtime(cfg, torch.device("cpu"))
-    before = _status_mb("VmRSS")
-    _reset_peak()
+    before = status_mb("VmRSS")
+    reset_peak()
     peaks = {}
 
     def model_done(model, tp_info, fill=None):
         if fill is not None:
             fill(model, tp_info)
-        peaks["model"] = _status_mb("VmHWM") - before
+        peaks["model"] = status_mb("VmHWM") - before
 
     if tp == 1:
         model = build_model(cfg.model, seed=cfg.train.seed)
@@ -72,7 +61,7 @@ def measure(config: str, tp: int, eager: bool, sets: list[str]) -> dict:
     build_optimizer(model.named_parameters(), cfg.optim, cfg.train.steps, parts=parts)
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     result = {"tp": tp, "rank": getattr(runtime, "rank", 0), "model_mb": peaks["model"],
-              "peak_mb": _status_mb("VmHWM") - before, "held_mb": held / 2**20}
+              "peak_mb": status_mb("VmHWM") - before, "held_mb": held / 2**20}
     runtime.close()
     return result
 
@@ -98,7 +87,7 @@ def run(config: str, tp: int, eager: bool, sets: list[str]) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(REPO / "configs" / "parcae-370m.yaml"))
-    parser.add_argument("--tps", default="1,2", help="tp sizes (each must divide the heads and the vocabulary)")
+    parser.add_argument("--tps", type=process_counts, default="1,2", help="tp sizes (each must divide the heads and the vocabulary)")
     parser.add_argument("--set", dest="sets", action="append", default=None,
                         help="config overrides; default model.vocab_size=4096, so that the parameters, not the "
                              "transient of the embedding's orthogonal init, set the peak")
@@ -108,7 +97,7 @@ def main() -> None:
           "model is built and split (model), and through the gradient buffers and optimizer (whole)")
     print(f"{'tp':>3} {'rank':>4} {'held params':>11} {'model: meta + held':>18} {'eager + split':>13} "
           f"{'whole: meta + held':>18} {'eager + split':>13}")
-    for tp in (int(x) for x in args.tps.split(",")):
+    for tp in args.tps:
         held = run(args.config, tp, eager=False, sets=sets)
         eager = run(args.config, tp, eager=True, sets=sets) if tp > 1 else held
         for h, e in zip(held, eager):

@@ -43,7 +43,6 @@ def _step(model, ids, depth, k):
 
 
 def run(config: str, steps: int, batch: int, seq: int, mu_rec: int) -> None:
-    import torch
     from torch._dynamo.utils import counters
 
     from megaloop.config import load_config

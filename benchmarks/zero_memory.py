@@ -23,19 +23,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MEASURE_ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+sys.path.insert(0, str(REPO))
 
-
-def _status_mb(field: str) -> float:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024.0
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+from benchmarks.rss import MEASURE_ENV, process_counts, reset_peak, status_mb  # noqa: E402
 
 
 def _state_bytes(optimizer) -> int:
@@ -66,12 +56,12 @@ def measure(rank: int, world: int, d_model: int, vocab: int) -> dict:
         for p in model.parameters():
             p.grad = torch.randn(p.shape, generator=g) if p.grad is None else p.grad.copy_(torch.randn(p.shape))
         if step == 2:
-            before = _status_mb("VmRSS")
-            _reset_peak()
+            before = status_mb("VmRSS")
+            reset_peak()
         runtime.reduce_gradients(model)
         opt.step(step)
         opt.zero_grad()
-    peak = _status_mb("VmHWM")
+    peak = status_mb("VmHWM")
     state = sum(_state_bytes(o) for o in (opt.muon, opt.adamw))
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"rank": rank, "dp": world, "before_mb": before, "transient_mb": peak - before,
@@ -110,13 +100,13 @@ def run(dp: int, d_model: int, vocab: int) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dps", default="1,2,4")
+    parser.add_argument("--dps", type=process_counts, default="1,2,4", help="data-parallel sizes")
     parser.add_argument("--d-model", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=8192)
     args = parser.parse_args()
     print("ZeRO-1 step memory per rank (resident set, MiB; transient = peak during the step - resident before it)")
     print(f"{'dp':>3} {'rank':>4} {'resident':>9} {'transient':>9} {'opt state':>9} {'params':>8}")
-    for dp in (int(x) for x in args.dps.split(",")):
+    for dp in args.dps:
         for r in run(dp, args.d_model, args.vocab):
             print(f"{r['dp']:>3} {r['rank']:>4} {r['before_mb']:>9.1f} {r['transient_mb']:>9.1f} "
                   f"{r['state_mb']:>9.1f} {r['param_mb']:>8.1f}")
