@@ -60,12 +60,15 @@ class ExecutionError(RuntimeError):
 @dataclass
 class ExecResult:
     """What one rank did: losses[mb] (last rank only), timings (action, start, end) of every compute action in
-    `time.perf_counter` seconds, recvs (message, posted, arrived) of every Recv, peak_stored (most stored tensor groups at once: a kept lap's input and output, the
+    `time.perf_counter` seconds, recvs (message, posted, arrived) of every Recv, posts (start, posted, done) of
+    every `batch_isend_irecv` call (done: its receives completed; posted to done is the time this rank waited),
+    peak_stored (most stored tensor groups at once: a kept lap's input and output, the
     loss's input and value, an open micro-batch's e) and peak_saved_bytes (autograd's saved tensors)."""
 
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     timings: list[tuple[Compute, float, float]] = field(default_factory=list)
     recvs: list[tuple[Message, float, float]] = field(default_factory=list)
+    posts: list[tuple[float, float, float]] = field(default_factory=list)
     peak_stored: int = 0
     peak_saved_bytes: int = 0
 
@@ -150,7 +153,9 @@ class RingExecutor:
     def _post(self, ops: list[dist.P2POp], kept: list[torch.Tensor], batch: Sequence[Action]) -> None:
         if not ops:
             return
+        start = time.perf_counter()
         works = dist.batch_isend_irecv(ops)
+        posted = time.perf_counter()
         if len(works) == len(ops):  # one work per op (gloo): wait for the receives only, sends stay in flight
             self.sends.append(([w for w, op in zip(works, ops) if op.op is dist.isend], kept))
             works = [w for w, op in zip(works, ops) if op.op is dist.irecv]
@@ -158,6 +163,7 @@ class RingExecutor:
             self.sends.append(([], kept))
         for work in works:
             self._wait(work, batch)
+        self.result.posts.append((start, posted, time.perf_counter()))
 
     def _send_ops(self, action: Send, kept: list) -> list[dist.P2POp]:
         producer = action.message.producer

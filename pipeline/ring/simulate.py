@@ -4,7 +4,8 @@ exists, a Recv that does not match its channel's next Send, a deadlock with its 
 
 Semantics (those of the executor): each rank runs its list in order; a compute action starts when the previous
 action of its rank has finished and lasts its cost; a Send is asynchronous and takes no time, its message arrives
-`latency` later; a Recv waits for the next message of its channel (src -> this rank), which must be the one it
+the cost model's `delay` later (with `rendezvous`: after the later of the Send and the posting of its Recv, which
+the executor posts with the whole run of Sends and Recvs, when the compute action before it ends); a Recv waits for the next message of its channel (src -> this rank), which must be the one it
 names. Stored activations: Embed, a Forward with autograd and Loss each store one unit on their rank until their
 backward frees it. A micro-batch is "in flight" on a rank while it has lap (or loss) activations stored there, and
 "open" from its Embed to its EmbedBackward (rank 0 keeps its e and prelude activations meanwhile; its no-autograd
@@ -84,6 +85,7 @@ class _Simulation:
         self.before, self.after = neighbours(self.specs, self.pp)
         self.pos = [0] * self.pp
         self.clock = [0.0] * self.pp
+        self.posted = [0.0] * self.pp  # when each rank posted its current run of Sends and Recvs
         self.busy = [0.0] * self.pp
         self.done: list[set] = [set() for _ in range(self.pp)]
         self.received: list[set] = [set() for _ in range(self.pp)]
@@ -136,7 +138,9 @@ class _Simulation:
                                 f"is {label(message.producer)}: Recvs must follow the channel's Send order")
         self.taken[channel] = index + 1
         self.received[rank].add(message)
-        self.clock[rank] = max(self.clock[rank], time + self.costs.latency)
+        if self.costs.rendezvous:
+            time = max(time, self.posted[rank])
+        self.clock[rank] = max(self.clock[rank], time + self.costs.delay(message, self.specs))
         return True
 
     def _send(self, rank: int, action: Send) -> None:
@@ -152,7 +156,7 @@ class _Simulation:
         self._check_runnable(rank, action)
         duration = self.costs.of(action, self.specs)
         start = self.clock[rank]
-        self.clock[rank] = start + duration
+        self.clock[rank] = self.posted[rank] = start + duration
         self.busy[rank] += duration
         self.done[rank].add(action)
         self.intervals.append((rank, start, start + duration, action))

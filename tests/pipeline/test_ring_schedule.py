@@ -236,3 +236,38 @@ def test_generator_refuses_bad_bounds_and_specs():
         MicroBatch(2, 3)
     with pytest.raises(ScheduleError, match="multiple of pp"):
         interleaved_1f1b(4, 6, 2)
+
+
+def test_per_byte_latency_delays_each_message_by_its_bytes():
+    """One micro-batch at pp 2 crosses the ring boundary twice (lap 0's state, its gradient): makespan = forward 1 +
+    hop + forward 1 + backward 2 + hop + backward 2, a hop being latency + latency_per_byte x bytes; the bytes scale
+    with the lap's active rows, as its compute does."""
+    spec = MicroBatch(1, 1)
+    schedule = ring_schedule([spec], 2, 1)
+    plain = CostModel(forward=1.0, backward=2.0, latency=0.5)
+    per_byte = CostModel(forward=1.0, backward=2.0, latency=0.5, latency_per_byte=0.25, message_bytes=2.0)
+    assert simulate(schedule, [spec], plain).makespan == pytest.approx(6.0 + 2 * 0.5, abs=1e-12)
+    assert simulate(schedule, [spec], per_byte).makespan == pytest.approx(6.0 + 2 * (0.5 + 0.5), abs=1e-12)
+    half = MicroBatch(1, 1, active=(0.5,))
+    expected = 3.0 + 2 * (0.5 + 0.25 * 2.0 * 0.5)
+    assert simulate(ring_schedule([half], 2, 1), [half], per_byte).makespan == pytest.approx(expected, abs=1e-12)
+
+
+def test_rendezvous_moves_a_message_only_once_its_recv_is_posted():
+    """Two one-lap micro-batches at pp 2, hand-timed (forward 1, backward 2, latency 1). Rank 0 sends mb 1's state
+    at t=2 while rank 1 is in mb 0's backward until t=5: sent ahead it arrives at 3 and rank 1 goes on at 5
+    (makespan 11); with rendezvous it moves only once rank 1 posts its Recv at 5, arrives at 6, and everything after
+    shifts by one (makespan 12; each rank busy 6, idle half)."""
+    from pipeline.ring.actions import Embed, EmbedBackward, Loss, LossBackward
+
+    specs = [MicroBatch(1, 1), MicroBatch(1, 1)]
+    orders = [[Embed(0), Forward(0, 0, 0, True), Embed(1), Forward(1, 0, 0, True), Backward(0, 0, 0), EmbedBackward(0),
+               Backward(1, 0, 0), EmbedBackward(1)],
+              [Forward(0, 0, 1, True), Loss(0), LossBackward(0), Backward(0, 0, 1), Forward(1, 0, 1, True), Loss(1),
+               LossBackward(1), Backward(1, 0, 1)]]
+    schedule = with_p2p(orders, specs)
+    eager = simulate(schedule, specs, CostModel(forward=1.0, backward=2.0, latency=1.0))
+    rendezvous = simulate(schedule, specs, CostModel(forward=1.0, backward=2.0, latency=1.0, rendezvous=True))
+    assert eager.makespan == pytest.approx(11.0, abs=1e-12)
+    assert rendezvous.makespan == pytest.approx(12.0, abs=1e-12)
+    assert rendezvous.idle_fractions == pytest.approx([0.5, 0.5], abs=1e-12)
