@@ -14,10 +14,14 @@ import torch
 from pipeline.collectives import all_reduce_
 
 
-def counted_grad_views(buffer, split_names, tp: int, tp_rank: int) -> list[torch.Tensor]:
+def counted_grad_views(buffer, split_names, tp: int, tp_rank: int, exclude=frozenset()) -> list[torch.Tensor]:
     """The views of this rank's chunk of `buffer` that count towards the norm: pieces of split parameters, and of
-    replicated ones only on tp rank 0 (everything without tensor parallelism)."""
-    return buffer.owned_grad_views(None if tp == 1 or tp_rank == 0 else set(split_names))
+    replicated ones only on tp rank 0 (everything without tensor parallelism); never those named in `exclude`
+    (under pipeline parallelism the last stage's copy of the tied embedding: the first stage counts it)."""
+    names = None if tp == 1 or tp_rank == 0 else set(split_names)
+    if exclude:
+        names = ({n for g in buffer.groups for n in g.names} if names is None else names) - set(exclude)
+    return buffer.owned_grad_views(names)
 
 
 def reduce_norm_sq(local: torch.Tensor, layout, chunk_group) -> torch.Tensor:

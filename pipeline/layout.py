@@ -195,11 +195,13 @@ def global_rank(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> i
 
 
 def group_ranks(tp: int, dp: int, pp: int) -> dict[str, list[list[int]]]:
-    """Every group of each kind as lists of global ranks: {"tp": [...], "dp": [...], "pp": [...]}."""
+    """Every group of each kind as lists of global ranks: {"tp": [...], "dp": [...], "pp": [...], "embed": [...]};
+    an embed group joins the first and the last rank of a pp group (the two pipeline stages that hold the tied
+    embedding; it exists when pp > 1)."""
     tp_groups = [[global_rank(t, d, p, tp, dp) for t in range(tp)] for p in range(pp) for d in range(dp)]
     dp_groups = [[global_rank(t, d, p, tp, dp) for d in range(dp)] for p in range(pp) for t in range(tp)]
     pp_groups = [[global_rank(t, d, p, tp, dp) for p in range(pp)] for d in range(dp) for t in range(tp)]
-    return {"tp": tp_groups, "dp": dp_groups, "pp": pp_groups}
+    return {"tp": tp_groups, "dp": dp_groups, "pp": pp_groups, "embed": [sorted({g[0], g[-1]}) for g in pp_groups]}
 
 
 @dataclass
@@ -221,9 +223,11 @@ class ParallelLayout:
     tp_group: dist.ProcessGroup | None = None
     dp_group: dist.ProcessGroup | None = None
     pp_group: dist.ProcessGroup | None = None
+    embed_group: dist.ProcessGroup | None = None
     tp_ranks: tuple[int, ...] = (0,)
     dp_ranks: tuple[int, ...] = (0,)
     pp_ranks: tuple[int, ...] = (0,)
+    embed_ranks: tuple[int, ...] = (0,)
 
     @property
     def tp_rank(self) -> int:
@@ -231,7 +235,7 @@ class ParallelLayout:
 
     def without_groups(self) -> "ParallelLayout":
         """The same rank facts with no process group handles (what a closed runtime keeps)."""
-        return replace(self, tp_group=None, dp_group=None, pp_group=None)
+        return replace(self, tp_group=None, dp_group=None, pp_group=None, embed_group=None)
 
     @property
     def dp_rank(self) -> int:
@@ -313,7 +317,7 @@ def _create_groups(rank: int, tp: int, dp: int, pp: int) -> dict:
     """new_group for every group of every kind (collective: all ranks create all groups in the same order);
     keep this rank's. Size-1 groups are not created."""
     out: dict = {}
-    for kind, size in (("tp", tp), ("dp", dp), ("pp", pp)):
+    for kind, size in (("tp", tp), ("dp", dp), ("pp", pp), ("embed", min(pp, 2))):
         mine: Sequence[int] = (rank,)
         handle = None
         for ranks in group_ranks(tp, dp, pp)[kind]:

@@ -60,6 +60,20 @@ def run_micro_batches(runtime, model, micro_batches: Sequence, scales: Sequence[
     return results
 
 
+def plain_forward_losses(model, micro_batches: Sequence, autocast: Callable[[], ContextManager] = contextlib.nullcontext
+                         ) -> list[float]:
+    """Each micro-batch's mean token loss from model(...) under autocast() without autograd (validation); reads
+    every loss back to the host."""
+    losses = []
+    with torch.no_grad():
+        for mb in micro_batches:
+            with autocast():
+                out = model(mb.input_ids, labels=mb.labels, depth=mb.depth, backprop_depth=mb.backprop_depth,
+                            h0=mb.h0, noise_key=mb.noise_key)
+            losses.append(float(out.loss))
+    return losses
+
+
 def _detached(telemetry: dict) -> dict:
     return {k: v.detach() if torch.is_tensor(v) else v for k, v in telemetry.items()}
 

@@ -54,7 +54,8 @@ class OptimizerParts:
         dp, rank = (layout.dp, layout.dp_rank) if self.sharded else (1, 0)
         self.buffer = GradBuffer(list(muon_named) + list(adamw_named), dp, rank, owners)
         rt.use_buffer(self.buffer)
-        self.counted = counted_grad_views(self.buffer, rt.tp_info.shards, layout.tp, layout.tp_rank)
+        self.counted = counted_grad_views(self.buffer, rt.tp_info.shards, layout.tp, layout.tp_rank,
+                                          exclude=rt.uncounted_names())
         adamw = None
         if adamw_named:
             adamw = ZeroAdamW(list(adamw_named), self.buffer, self.shard_group, fused=_fusable(adamw_named),

@@ -25,19 +25,21 @@ from pipeline.data_parallel import DEFAULT_BUCKET_MB, BufferReducer
 from pipeline.dist_muon import MuonFunctions
 from pipeline.grad_buffer import GradBuffer, flat_all_reduce_
 from pipeline.layout import ParallelLayout, destroy_layout
-from pipeline.micro_batches import run_micro_batches
+from pipeline.micro_batches import plain_forward_losses, run_micro_batches
 from pipeline.optimizer_parts import OptimizerParts
 from pipeline.parallel_lm import ParallelLM
 from pipeline.tensor_parallel import TensorParallelInfo
 
 
 class ParallelRuntime:
-    """Tensor + data parallelism for the trainer; see the module docstring."""
+    """Tensor + data parallelism for the trainer; see the module docstring. pp > 1: pipeline.pipeline_runtime."""
+
+    runs_pipeline = False
 
     def __init__(self, layout: ParallelLayout, tp_plan, muon_functions: MuonFunctions | None = None,
                  zero_stage: int = 1, bucket_mb: float = DEFAULT_BUCKET_MB, grad_reduce_dtype: str = "fp32"):
-        if layout.pp > 1:
-            raise NotImplementedError("pipeline parallelism (pp > 1) is a later step; use tp and dp for now")
+        if layout.pp > 1 and not self.runs_pipeline:
+            raise ValueError("a layout with pp > 1 runs on pipeline.pipeline_runtime.PipelineRuntime")
         if zero_stage not in (0, 1):
             raise ValueError(f"the native engine implements ZeRO stages 0 and 1, not {zero_stage}; use "
                              "parallel.engine=deepspeed for ZeRO 2/3")
@@ -62,6 +64,16 @@ class ParallelRuntime:
     device = property(lambda self: self.layout.device)
 
     # ---- model and gradients --------------------------------------------------------------------------------
+    pp_size = 1
+
+    def held_parameter_names(self, model) -> list[str]:
+        """The parameters this rank holds (pieces of, under tp): all of them without pipeline parallelism."""
+        return [name for name, _ in model.named_parameters()]
+
+    def uncounted_names(self) -> set[str]:
+        """Parameters whose gradient this rank leaves out of the global norm (another rank counts them): none."""
+        return set()
+
     def prepare_model(self, model: torch.nn.Module, materialize=None):
         """Split the model by the plan (tp > 1), put its gradients in a plain (all-reduced) buffer and attach the
         data-parallel reducer; returns what to call.
@@ -95,6 +107,10 @@ class ParallelRuntime:
         overlapped with the gradient reduction); the per-micro-batch results (pipeline.micro_batches). The DeepSpeed
         runtime inherits it: its backward goes through the engine."""
         return run_micro_batches(self, model, micro_batches, scales, autocast, timer)
+
+    def forward_losses(self, model, micro_batches, autocast=contextlib.nullcontext) -> list[float]:
+        """Each micro-batch's mean token loss, without backward (validation)."""
+        return plain_forward_losses(model, micro_batches, autocast)
 
     def backward(self, loss: torch.Tensor) -> None:
         """One micro-batch's backward (the DeepSpeed runtime routes it through its engine)."""

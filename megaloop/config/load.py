@@ -13,10 +13,9 @@ from megaloop.config.tree import Config
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
-                validate: bool = True, world_size: int | None = None, allow_pipeline: bool = False) -> Config:
+                validate: bool = True, world_size: int | None = None) -> Config:
     """Read a YAML config (or start from defaults when path is None), apply `section.key=value` overrides,
-    and validate the whole tree (model, sizes, data directory) before anything is built; `allow_pipeline`: accept
-    a valid parallel.pp > 1 layout (the planner; the trainer refuses it)."""
+    and validate the whole tree (model, sizes, data directory) before anything is built."""
     raw: dict = {}
     if path is not None:
         raw = _read_config_file(Path(path))
@@ -24,7 +23,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         _apply_override(raw, item)
     cfg = from_dict(Config, raw, prefix="")
     if validate:
-        cfg.validate(world_size=world_size, allow_pipeline=allow_pipeline)
+        cfg.validate(world_size=world_size)
     return cfg
 
 

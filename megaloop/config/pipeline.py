@@ -8,8 +8,6 @@ optimizer step's micro-batches around the ring. What it needs:
   m < pp micro-batches at most m of the pp ranks compute at once whatever the schedule (the generator still makes
   a deadlock-free schedule for any m >= 1, but one that leaves at least 1 - m/pp of the ring idle);
 - the native engine: DeepSpeed runs data parallelism only here.
-
-The trainer does not run pp > 1 yet; `refuse_pipeline` says so after every other check has passed.
 """
 from __future__ import annotations
 
@@ -43,12 +41,3 @@ def _too_few_micro_batches(pp: int, global_batch: int, micro_batch: int, dp: int
             f"data.global_batch_size={global_batch} / (data.micro_batch_size={micro_batch} x dp={dp}) gives "
             f"{micro_batches} (with fewer micro-batches than stages at most {micro_batches} of the {pp} ranks "
             f"compute at once); use {' or '.join(fixes)}, or a smaller parallel.pp")
-
-
-def refuse_pipeline(pp: int) -> None:
-    """The trainer does not run pp > 1 yet: raise ConfigError naming what exists."""
-    if pp != 1:
-        raise ConfigError("parallel.pp", pp, "pipeline parallelism is not available yet in the trainer: the ring "
-                          "schedule's generator, simulator and executor exist in pipeline/ring (generate.py, "
-                          "simulate.py, execute.py) and `python -m megaloop plan CONFIG --pp P` plans the layout; "
-                          "train with parallel.pp=1 and parallel.tp / parallel.dp")

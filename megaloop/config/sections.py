@@ -12,6 +12,7 @@ class ParallelConfig:
 
     tp: int = 1
     pp: int = 1
+    pp_in_flight: int = 2  # pp > 1: the most micro-batches holding lap activations at once on a pipeline rank
     dp: int | None = None
     sequence_parallel: bool | None = None  # None: on when tp > 1
     engine: str = "native"  # native | deepspeed
@@ -24,7 +25,7 @@ class ParallelConfig:
     #                                 rows under the DeepSpeed engine, whose accumulation count is fixed)
 
     def validate(self) -> None:
-        for name in ("tp", "pp"):
+        for name in ("tp", "pp", "pp_in_flight"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parallel.{name}", getattr(self, name), "must be >= 1")
         if self.dp is not None and self.dp < 1:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from megaloop.config.errors import ConfigError
 from megaloop.config.model import ModelConfig
-from megaloop.config.pipeline import check_pipeline, refuse_pipeline
+from megaloop.config.pipeline import check_pipeline
 from megaloop.config.sections import CheckpointConfig, DataConfig, ParallelConfig, TrainConfig
 from megaloop.optim.config import OptimConfig, OptimConfigError
 
@@ -21,9 +21,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
-    def validate(self, world_size: int | None = None, allow_pipeline: bool = False) -> "Config":
-        """Check every section, then the sizes that depend on each other. Returns self. A valid parallel.pp > 1
-        layout is refused last (the trainer does not run it yet) unless `allow_pipeline` (the planner)."""
+    def validate(self, world_size: int | None = None) -> "Config":
+        """Check every section, then the sizes that depend on each other. Returns self."""
         for section in (self.model, self.parallel, self.data, self.optim, self.train, self.checkpoint):
             try:
                 section.validate()
@@ -36,8 +35,6 @@ class Config:
         self._validate_batches(world_size)
         self._validate_engine()
         self._validate_data_dir()
-        if not allow_pipeline:
-            refuse_pipeline(p.pp)
         return self
 
     def _validate_engine(self) -> None:

@@ -26,9 +26,10 @@ The loop is always the ragged one (LoopedLM.ragged_loop True), so backprop depth
 """
 from __future__ import annotations
 
+import contextlib
 import numbers
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Callable, ContextManager, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -120,10 +121,16 @@ def micro_batch_spec(model: LoopedLM, mb: StageMicroBatch) -> dict:
 class LoopedStageProgram:
     """Ring rank `stage` of `pp` for `model` (every rank builds the same full model and uses only its parts) over
     `micro_batches`; each micro-batch's loss is multiplied by `scale` (one float, e.g. 1/m, or one per micro-batch,
-    e.g. the trainer's tokens / global tokens). See the module docstring."""
+    e.g. the trainer's tokens / global tokens). See the module docstring.
+
+    loss_fn(logits, labels) -> the mean token loss (default: cross-entropy ignoring -100; a tensor-parallel runtime
+    passes its vocabulary-parallel one); every computation runs under `autocast()`. After a run, `losses[mb]` holds
+    the last rank's unscaled losses and `telemetry(mb)` what LoopedLM.forward reports, each value on the rank that
+    computes it and zero on the others (so a sum over the pipeline ranks is the single-process value)."""
 
     def __init__(self, model: LoopedLM, stage: int, pp: int, micro_batches: Sequence[StageMicroBatch],
-                 scale: Union[float, Sequence[float]] = 1.0):
+                 scale: Union[float, Sequence[float]] = 1.0, loss_fn: Optional[Callable] = None,
+                 autocast: Callable[[], ContextManager] = contextlib.nullcontext):
         if not 0 <= stage < pp:
             raise ValueError(f"stage must be in 0..{pp - 1} for pp={pp}, got {stage}")
         self.model, self.stage, self.pp = model, stage, pp
@@ -135,8 +142,14 @@ class LoopedStageProgram:
         if len(self.scales) != len(self.batches):
             raise ValueError(f"scale must be one float or one per micro-batch ({len(self.batches)}), got "
                              f"{len(self.scales)}")
+        self.loss_fn = loss_fn or _cross_entropy
+        self.autocast = autocast
+        self.dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         self.plans = [ragged_plan(model, mb) for mb in self.batches]
         self._h0: dict[int, torch.Tensor] = {}  # rank 0: the permuted h_0 of micro-batches still looping
+        self._prev: dict[int, torch.Tensor] = {}  # last rank: the state leaving each micro-batch's second-last lap
+        self.losses: dict[int, torch.Tensor] = {}
+        self._state: dict[int, dict] = {}  # last rank: state_norm and recurrent_residual of each micro-batch
 
     def specs(self) -> list[dict]:
         """micro_batch_spec of every micro-batch, in order."""
@@ -150,12 +163,13 @@ class LoopedStageProgram:
         """Rank 0: (the kept term of e in plan order, h_0's rows active in lap 0); see the module docstring."""
         batch, model = self.batches[mb], self.model
         ids = batch.input_ids
-        e = model.encode(ids, model.context(ids, core_values=False))
-        if model.injection is None:
-            return e, e.detach()
-        h0 = batch.h0 if batch.h0 is not None else model.initial_state(e, batch.noise_key)
-        term, _ = model.injection(None, e)
-        h0 = self._permuted(mb, h0.to(e.dtype))
+        with self.autocast():
+            e = model.encode(ids, model.context(ids, core_values=False))
+            if model.injection is None:
+                return e, e.detach().to(self.dtype)
+            h0 = batch.h0 if batch.h0 is not None else model.initial_state(e, batch.noise_key)
+            term, _ = model.injection(None, e)
+        h0 = self._permuted(mb, h0.to(self.dtype))
         self._h0[mb] = h0
         return self._permuted(mb, term), h0[:self.plans[mb].prefix[0]]
 
@@ -168,7 +182,11 @@ class LoopedStageProgram:
                 h = torch.cat([h, h0[h.shape[0]:rows]])
         ids = self._permuted(mb, self.batches[mb].input_ids)[:rows]
         whole = self.model.activation_checkpointing == "lap"
-        return maybe_checkpoint(whole, self._segment, h, None if e is None else e[:rows], ids)
+        with self.autocast():
+            out = maybe_checkpoint(whole, self._segment, h, None if e is None else e[:rows], ids).to(self.dtype)
+        if self.stage == self.pp - 1 and lap == self.plans[mb].laps - 2:
+            self._prev[mb] = out.detach()
+        return out
 
     def _segment(self, h: torch.Tensor, term: Optional[torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
         model = self.model
@@ -182,15 +200,58 @@ class LoopedStageProgram:
         return x
 
     def loss(self, mb: int, h: torch.Tensor) -> torch.Tensor:
-        """The last rank: rows back in the caller's order, decode, logits, mean cross-entropy times the scale."""
+        """The last rank: rows back in the caller's order, decode, logits, mean token loss times the scale."""
         batch, plan, model = self.batches[mb], self.plans[mb], self.model
+        if model.injection is not None:
+            self._state[mb] = self._state_telemetry(mb, h.detach())
         if not plan.is_identity:
             h = h.index_select(0, torch.from_numpy(np.argsort(plan.order)).to(h.device))
-        logits = model.logits(model.decode(h, model.context(batch.input_ids, core_values=False)))
-        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), batch.labels.reshape(-1), ignore_index=-100)
+        with self.autocast():
+            logits = model.logits(model.decode(h, model.context(batch.input_ids, core_values=False)))
+            loss = self.loss_fn(logits, batch.labels)
+        self.losses[mb] = loss.detach()
         return loss * self.scales[mb]
+
+    def _state_telemetry(self, mb: int, h: torch.Tensor) -> dict:
+        """state_norm and recurrent_residual as LoopedLM.forward computes them (recurrence.loop_telemetry): h_{T-1}
+        is the second-last lap's output for the rows that ran it and h_0 for rows whose only lap is the last; rows
+        in plan order (the means do not depend on it)."""
+        batch, plan = self.batches[mb], self.plans[mb]
+        prev = self._prev.pop(mb, h[:0])
+        if prev.shape[0] < h.shape[0]:
+            h0 = batch.h0 if batch.h0 is not None else self.model.initial_state(h, batch.noise_key)
+            prev = torch.cat([prev, self._permuted(mb, h0.to(h.dtype))[prev.shape[0]:]])
+        hd = h if h.dtype in (torch.float32, torch.float64) else h.float()
+        return {"state_norm": hd.norm(dim=-1).mean(), "recurrent_residual": (hd - prev.to(hd.dtype)).norm(dim=-1).mean()}
+
+    def telemetry(self, mb: int) -> dict:
+        """Micro-batch `mb`'s telemetry with LoopedLM.forward's keys: rho_A (rho_W1) on rank 0, state_norm and
+        recurrent_residual on the last rank, zero elsewhere; the lap counts and core rows on every rank."""
+        plan, model = self.plans[mb], self.model
+        out = {"executed_steps": plan.laps, "useful_steps": int(np.sum(self._depths(mb))), "core_rows": plan.core_rows}
+        if model.injection is None:
+            return out
+        zero = torch.zeros((), dtype=torch.float64)
+        out.update(self._state.pop(mb, {"state_norm": zero, "recurrent_residual": zero}))
+        out["rho_A"] = model.injection.rho_tensor().detach() if self.stage == 0 else zero
+        if model.cfg.injection == "concat":
+            out["rho_W1"] = out["rho_A"]
+        return out
+
+    def _depths(self, mb: int) -> np.ndarray:
+        batch = self.batches[mb]
+        return DepthPlan.make(self.model._default_depth(batch.depth, batch.input_ids.shape[0]), batch.backprop_depth,
+                              batch.input_ids.shape[0]).total
 
     def message_shape(self, mb: int, lap: int) -> tuple[int, ...]:
         """(rows active in lap `lap`, sequence, width)."""
         _, seq = self.batches[mb].input_ids.shape
-        return (self.plans[mb].prefix[lap], seq, self.model.cfg.d_model)
+        return (self.plans[mb].prefix[lap], seq // self.model.sequence_parts, self.model.cfg.d_model)
+
+    def message_dtype(self) -> torch.dtype:
+        """The dtype of every message (the state and its gradient): the model's parameter dtype."""
+        return self.dtype
+
+
+def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)

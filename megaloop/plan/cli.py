@@ -32,7 +32,7 @@ def run_plan(args) -> int:
             raise ConfigError("--" + name.replace("_", "-"), getattr(args, name), "must be >= 1")
     world = args.nodes * args.gpus_per_node
     overrides = list(args.overrides) + ([f"parallel.pp={args.pp}"] if args.pp is not None else [])
-    cfg = load_config(args.config, overrides, world_size=world, allow_pipeline=True)
+    cfg = load_config(args.config, overrides, world_size=world)
     plan = make_plan(cfg, gpu(args.gpu), world, args.in_flight)
     if args.json:
         print(json.dumps(plan_dict(plan, world, args.nodes)))

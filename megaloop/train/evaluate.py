@@ -5,10 +5,12 @@ validation row), so a validation number is comparable across steps and runs.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
+from megaloop.model.stages import StageMicroBatch
 from megaloop.train.precision import autocast_for
 
 VAL_NOISE_STEP = -1
@@ -50,30 +52,33 @@ def _losses(model, batches, depths, seed, precision, device, runtime, bytes_per_
     was_training = model.training
     model.eval()
     results = {}
+    autocast = functools.partial(autocast_for, precision, device)
     for depth in depths:
         if bar is not None:
             bar.depth(depth)
-        loss_sum, tokens = 0.0, 0
-        for batch in batches:
-            mb = batch["tokens"].to(device)
-            labels = mb[:, 1:].clone()
-            valid = batch.get("valid")
-            if valid is not None:  # padding rows of the last validation batch
-                labels[~valid.to(device)] = -100
-            with autocast_for(precision, device):
-                out = model(mb[:, :-1], labels=labels, depth=depth,
-                            noise_key=(seed, VAL_NOISE_STEP, batch["sample_index"].clamp(min=0)))
-            n = int((labels != -100).sum())
-            if bar is not None:
-                bar.update()
-            if n == 0:
-                continue
-            loss_sum += float(out.loss) * n
-            tokens += n
-        loss_sum, tokens = runtime.sum_over_dp(loss_sum), int(runtime.sum_over_dp(float(tokens)))
+        micro_batches = [_micro_batch(batch, depth, seed, device) for batch in batches]
+        counts = [int((mb.labels != -100).sum()) for mb in micro_batches]
+        counted = [mb for mb, n in zip(micro_batches, counts) if n]  # a batch of padding rows only adds nothing
+        losses = runtime.forward_losses(model, counted, autocast)  # the runtime's forward (a ring under pp)
+        if bar is not None:
+            bar.update(len(batches))
+        loss_sum = sum(loss * n for loss, n in zip(losses, [n for n in counts if n]))
+        loss_sum, tokens = runtime.sum_over_dp(loss_sum), int(runtime.sum_over_dp(float(sum(counts))))
         # no validation tokens (no val split, or data.val_batches=0): no measurement, so NaN ("n/a"), never 0
         loss = loss_sum / tokens if tokens else float("nan")
         bpb = loss / math.log(2) / bytes_per_token if bytes_per_token and tokens else float("nan")
         results[depth] = {"val_loss": loss, "val_bpb": bpb, "tokens": tokens}
     model.train(was_training)
     return results
+
+
+def _micro_batch(batch: dict, depth: int, seed: int, device) -> StageMicroBatch:
+    """A validation batch at fixed depth T: inputs, next-token labels (-100 on the padding rows of the last
+    batch) and h_0's noise key (seed, VAL_NOISE_STEP, row)."""
+    tokens = batch["tokens"].to(device)
+    labels = tokens[:, 1:].clone()
+    valid = batch.get("valid")
+    if valid is not None:
+        labels[~valid.to(device)] = -100
+    return StageMicroBatch(tokens[:, :-1], labels, depth,
+                           noise_key=(seed, VAL_NOISE_STEP, batch["sample_index"].clamp(min=0)))

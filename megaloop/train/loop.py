@@ -95,12 +95,14 @@ def train(cfg: Config, runtime=None) -> RunSummary:
 
 def build_model_and_optimizer(cfg: Config, runtime, device: torch.device):
     """The model as the runtime runs it (split, wrapped) and its optimizer, distributed as the layout needs. Under
-    tensor parallelism the model is built on the meta device and each rank materialises only what it holds."""
+    tensor or pipeline parallelism the model is built on the meta device and each rank materialises only what it
+    holds (its tensor-parallel pieces of its pipeline stage's parameters)."""
     precision = cfg.train.precision
-    if getattr(runtime, "tp_size", 1) > 1:
+    if runtime.tp_size > 1 or runtime.pp_size > 1:
         model = build_model(cfg.model, device="meta").to(param_dtype(precision))
         model.set_execution(cfg.train.activation_checkpointing, cfg.train.compile)
-        model = runtime.prepare_model(model, materialize=held_parameters(cfg.model, cfg.train.seed, device))
+        held = held_parameters(cfg.model, cfg.train.seed, device, names=runtime.held_parameter_names(model))
+        model = runtime.prepare_model(model, materialize=held)
     else:
         model = build_model(cfg.model, device=device, seed=cfg.train.seed).to(param_dtype(precision))
         model.set_execution(cfg.train.activation_checkpointing, cfg.train.compile)

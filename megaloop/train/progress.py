@@ -70,8 +70,8 @@ class ValidationBar:
         self.bar.set_postfix_str(f"T={depth} ({self.depths.index(depth) + 1}/{len(self.depths)} depths)",
                                  refresh=False)
 
-    def update(self) -> None:
-        self.bar.update(1)
+    def update(self, n: int = 1) -> None:
+        self.bar.update(n)
 
     def close(self) -> None:
         self.bar.close()

@@ -9,7 +9,7 @@ import contextlib
 
 import torch
 
-from pipeline.micro_batches import run_micro_batches
+from pipeline.micro_batches import plain_forward_losses, run_micro_batches
 
 
 class SingleProcessRuntime:
@@ -49,6 +49,11 @@ class SingleProcessRuntime:
         return None
 
     tp_size = 1
+    pp_size = 1
+
+    def forward_losses(self, model, micro_batches, autocast=contextlib.nullcontext) -> list[float]:
+        """Each micro-batch's mean token loss, without backward (validation)."""
+        return plain_forward_losses(model, micro_batches, autocast)
 
     def sum_stats(self, values: torch.Tensor) -> torch.Tensor:
         """A step's packed statistics summed over every process of the job, in one collective (here: itself).
@@ -78,9 +83,9 @@ class SingleProcessRuntime:
 
 
 def make_runtime(cfg, device: torch.device):
-    """The runtime for this job: single-process, or pipeline's tensor/data-parallel one (native or DeepSpeed)
-    when launched on several processes (torchrun or Slurm), built from cfg.parallel with megaloop's TP plan and
-    per-matrix Muon functions (pipeline never imports megaloop)."""
+    """The runtime for this job: single-process, or pipeline's tensor/data-parallel one (native or DeepSpeed), or
+    its ring-pipeline one (pp > 1), when launched on several processes (torchrun or Slurm), built from cfg.parallel
+    with megaloop's TP plan, per-matrix Muon functions and stage functions (pipeline never imports megaloop)."""
     from pipeline.layout import BatchDims, ModelDims, init_layout, read_launch_env
 
     if read_launch_env().world_size == 1:
@@ -91,7 +96,7 @@ def make_runtime(cfg, device: torch.device):
                               f"Slurm): launch {cfg.parallel.dp * cfg.parallel.tp} processes, e.g. `torchrun "
                               f"--standalone --nproc-per-node {cfg.parallel.dp * cfg.parallel.tp} -m megaloop train "
                               "...`, or leave parallel.dp unset")
-        if cfg.parallel.tp == 1:
+        if cfg.parallel.tp == 1 and cfg.parallel.pp == 1:
             return SingleProcessRuntime(device)
     m, p, d = cfg.model, cfg.parallel, cfg.data
     layout = init_layout(tp=p.tp, pp=p.pp, dp=p.dp, model=ModelDims(m.n_heads, m.kv_heads, m.vocab_size, m.seq_len),
@@ -111,5 +116,12 @@ def make_runtime(cfg, device: torch.device):
 
     functions = MuonFunctions(init_state=muon.init_muon_state, hparams=muon.MuonHParams, update=muon.muon_update,
                               apply=muon.apply_muon_update, lr_scale=muon.muon_lr_scale)
+    if p.pp > 1:
+        from megaloop.model.stages import LoopedStageProgram, stage_parameter_names
+        from pipeline.pipeline_runtime import PipelineRuntime, StageFunctions
+
+        stages = StageFunctions(parameter_names=stage_parameter_names, program=LoopedStageProgram)
+        return PipelineRuntime(layout, tensor_parallel_plan(m.mlp), functions, stages, zero_stage=p.zero_stage,
+                               grad_reduce_dtype=p.grad_reduce_dtype, in_flight=p.pp_in_flight)
     return ParallelRuntime(layout, tensor_parallel_plan(m.mlp), functions, zero_stage=p.zero_stage,
                            grad_reduce_dtype=p.grad_reduce_dtype)

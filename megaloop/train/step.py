@@ -27,7 +27,9 @@ from megaloop.train.precision import autocast_for
 # tensor-parallel rank's value is a mean over its positions, so the job-wide sum divided by tp averages them).
 TELEMETRY = ("rho_A", "state_norm", "recurrent_residual")
 # Host sums over this rank's rows. They and the loss, telemetry and core passes are identical on the tensor-parallel
-# ranks of one dp rank (or, for telemetry, averaged over them), so the job-wide sums are divided by tp_size.
+# ranks of one dp rank (or, for telemetry, averaged over them), so the job-wide sums are divided by tp_size; the host
+# sums and core passes are also counted by every pipeline stage (divided by pp_size too), while the loss and each
+# telemetry value come from one stage (the others report zero).
 HOST_SUMS = ("tokens", "sequences", "useful_flops", "executed_flops", "depth_sum")
 STOP_CODES = 2  # slots counting ranks that stop for a signal (code 1) or for the time limit (code 2)
 
@@ -187,13 +189,15 @@ def _executed_flops(stats: StepStats, flop_model: FlopModel, seq: int) -> float:
 
 def reduce_step(stats: StepStats, runtime, flop_model: FlopModel, seq: int, stop_code: int) -> StepFigures:
     """The step's statistics summed over the job in runtime.sum_stats (one collective), as figures."""
-    dp, tp = runtime.dp_size, runtime.tp_size
+    dp, tp, copies = runtime.dp_size, runtime.tp_size, runtime.tp_size * runtime.pp_size
     vec = pack(stats, flop_model, seq, runtime.dp_rank, dp, stop_code, runtime.device)
     total = runtime.sum_stats(vec).tolist()
     n_tel = len(TELEMETRY)
+    # the loss and telemetry come from one pipeline stage each (zero on the others), the host sums and core passes
+    # from every stage of a dp rank alike
     loss_sum, tel = total[0] / tp, [v / tp for v in total[1:1 + n_tel]]
-    rank_core_rows = [v / tp for v in total[1 + n_tel:1 + n_tel + dp]]
-    host = dict(zip(HOST_SUMS, [v / tp for v in total[1 + n_tel + dp:-STOP_CODES]]))
+    rank_core_rows = [v / copies for v in total[1 + n_tel:1 + n_tel + dp]]
+    host = dict(zip(HOST_SUMS, [v / copies for v in total[1 + n_tel + dp:-STOP_CODES]]))
     stops = total[-STOP_CODES:]
     tokens, sequences = int(round(host["tokens"])), max(int(round(host["sequences"])), 1)
     return StepFigures(

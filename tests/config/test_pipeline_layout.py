@@ -1,6 +1,5 @@
 """Pipeline-parallel layouts (parallel.pp > 1) are checked at config load, before any process group: more stages
-than core blocks, fewer micro-batches than stages, the DeepSpeed engine; a valid one is refused last (the trainer
-does not run it yet). The micro-batch rule is checked against the ring generator and simulator themselves."""
+than core blocks, fewer micro-batches than stages, the DeepSpeed engine; a valid one loads. The micro-batch rule is checked against the ring generator and simulator themselves."""
 from pathlib import Path
 
 import pytest
@@ -37,14 +36,13 @@ def test_deepspeed_engine_refused_with_the_fix():
 ])
 def test_too_few_micro_batches_names_the_count_and_the_fix(overrides, world, dp, m, fixes):
     """m = global / (micro x dp) micro-batches per rank must be >= pp: the message names m, the data values and
-    which values work; each named fix then passes every check but the trainer's final refusal."""
+    which values work; each named fix then passes every check."""
     pp = int(overrides[0].split("=")[1])
     message = _error(overrides, world)
     assert f"parallel.pp={pp}" in message and f"gives {m}" in message and f"dp={dp}" in message, message
     for fix in fixes:
         assert fix in message, message
-        assert "not available yet" in _error(overrides + [fix], world)
-        load_config(TINY, overrides + [fix], world_size=world, allow_pipeline=True)
+        load_config(TINY, overrides + [fix], world_size=world)
 
 
 @pytest.mark.parametrize("pp", [2, 4])
@@ -61,11 +59,10 @@ def test_the_micro_batch_rule_matches_the_ring_schedule(pp):
             assert result.idle_fraction >= 1 - m / pp - 1e-12
 
 
-def test_valid_layout_refused_last_naming_the_ring_pipeline():
+def test_valid_layout_loads_and_bad_in_flight_is_refused():
     overrides = ["parallel.pp=2", "parallel.tp=2", "data.global_batch_size=32"]
-    message = _error(overrides, world_size=8)
-    assert "parallel.pp=2" in message and "not available yet" in message and "pipeline/ring" in message
-    cfg = load_config(TINY, overrides, world_size=8, allow_pipeline=True)
+    assert "parallel.pp_in_flight" in _error(overrides + ["parallel.pp_in_flight=0"], world_size=8)
+    cfg = load_config(TINY, overrides, world_size=8)
     assert cfg.dp_size(8) == 2
 
 

@@ -27,7 +27,7 @@ def no_model_may_be_built(monkeypatch):
     ("model.n_kv_heads=3", "model.n_kv_heads", "allowed [1, 2, 4]"),
     ("train.precision=fp16", "train.precision", "bf16, fp32, fp64"),
     ("optim.name=sgd", "name", "muon"),
-    ("parallel.pp=2", "parallel.pp", "pipeline parallelism is not available yet"),
+    ("parallel.pp=3", "parallel.pp", "use parallel.pp <= 2"),
     ("checkpoint.every=-1", "checkpoint.every", "must be >= 0"),
     ("checkpoint.keep=0", "checkpoint.keep", "must be >= 1"),
     ("train.stop_at_step=0", "train.stop_at_step", ">= 1 or null"),

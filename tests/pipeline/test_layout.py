@@ -18,6 +18,8 @@ def test_rank_order_is_tp_fastest_then_dp_then_pp():
     assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert groups["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert groups["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert group_ranks(tp=2, dp=1, pp=3)["embed"] == [[0, 4], [1, 5]]  # first and last stage of each pp group
+    assert group_ranks(tp=2, dp=1, pp=1)["embed"] == [[0], [1]]
 
 
 def test_launch_env_torchrun_slurm_single():

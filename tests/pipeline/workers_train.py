@@ -46,6 +46,26 @@ def traced_runtime(cfg, device):
     return runtime
 
 
+def run_summary(config_path: str, overrides: list[str], runtime_factory, after=None):
+    """train(cfg, runtime) with the runtime runtime_factory(cfg, cpu) makes; after(runtime, model), when given, is
+    called with the trained model after the training (the run summary is returned)."""
+    cfg = load_config(config_path, overrides)
+    runtime = runtime_factory(cfg, torch.device("cpu"))
+    if after is not None:
+        prepare = runtime.prepare_model
+        kept = {}
+
+        def prepare_model(*args, **kwargs):
+            kept["model"] = prepare(*args, **kwargs)
+            return kept["model"]
+
+        runtime.prepare_model = prepare_model
+    summary = train(cfg, runtime=runtime)
+    if after is not None:
+        after(runtime, kept.pop("model"))
+    return summary
+
+
 def run(config_path: str, overrides: list[str], runtime_factory):
     cfg = load_config(config_path, overrides)
     runtime = runtime_factory(cfg, torch.device("cpu"))

@@ -19,7 +19,7 @@ TINY = REPO / "configs/parcae-tiny.yaml"
 
 
 def _plan(overrides, world, pp=2):
-    cfg = load_config(TINY, overrides + [f"parallel.pp={pp}"], world_size=world, allow_pipeline=True)
+    cfg = load_config(TINY, overrides + [f"parallel.pp={pp}"], world_size=world)
     return cfg, make_plan(cfg, GPUS["h100"], world)
 
 
@@ -141,8 +141,7 @@ def test_stored_bytes_replay_counts_each_unit_at_its_size():
 
 def test_in_flight_bound_is_kept():
     """--in-flight K: at most K x pp micro-batches hold lap activations on any rank."""
-    cfg = load_config(TINY, ["parallel.pp=2", "data.global_batch_size=64", "data.micro_batch_size=2"], world_size=2,
-                      allow_pipeline=True)
+    cfg = load_config(TINY, ["parallel.pp=2", "data.global_batch_size=64", "data.micro_batch_size=2"], world_size=2)
     for k in (1, 2):
         pipe = make_plan(cfg, GPUS["h100"], 2, in_flight=k).pipeline
         assert pipe.max_in_flight == 2 * k and max(pipe.result.peak_in_flight) <= 2 * k

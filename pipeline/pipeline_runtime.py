@@ -1,0 +1,204 @@
+"""The ring pipeline in the trainer: the runtime of a job with pp > 1 (composed with tensor and data parallelism).
+
+    runtime = PipelineRuntime(layout, tp_plan, muon_functions, stage_functions, zero_stage=1)
+    names = runtime.held_parameter_names(meta_model)       # what this rank's stage holds (build only those)
+    model = runtime.prepare_model(meta_model, materialize)  # a PipelineStage: this rank's parameters only
+    runtime.run_micro_batches(model, micro_batches, scales, autocast)   # one step's ring schedule
+    runtime.reduce_gradients(model)    # tied embedding summed between first and last stage, then dp (and tp partials)
+    runtime.forward_losses(model, micro_batches, autocast)              # validation: losses on every rank
+
+Each pp rank holds one stage of the model (megaloop decides which parameters: `StageFunctions.parameter_names`) and
+computes it through a stage program (`StageFunctions.program`, megaloop.model.stages.LoopedStageProgram) that the
+ring executor (pipeline/ring/execute.py) drives along this rank's action list from the ring schedule
+(pipeline/ring/generate.py). All ranks of a pp group see the same micro-batches and depths (the data and depths are
+functions of the dp rank, the step and the sample index), so they compute the same schedule without talking.
+
+Gradients: the parameters shared by the first and the last stage (the tied embedding) get their two partial
+gradients summed over the layout's embed group before the data-parallel reduction; every other parameter lives on
+one stage. The global gradient norm sums over the pp group (pipeline/grad_norm.py) with the shared parameters
+counted on the first stage only. The data-parallel reduction runs after the ring, not overlapped with it.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from pipeline.grad_buffer import GradBuffer, flat_all_reduce_
+from pipeline.micro_batches import MicroBatchResult, NoTimer
+from pipeline.parallel_lm import ParallelLM
+from pipeline.ring import MicroBatch, chain, rank_of, ring_schedule, with_p2p
+from pipeline.ring.actions import Backward, EmbedBackward, LossBackward
+from pipeline.ring.execute import RingExecutor
+from pipeline.runtime import ParallelRuntime
+from pipeline.tensor_parallel import TensorParallelInfo
+from pipeline.vocab_parallel import vocab_parallel_cross_entropy
+
+
+@dataclass(frozen=True)
+class StageFunctions:
+    """What the runtime needs from the model's package (pipeline never imports megaloop):
+
+    parameter_names(model, stage, pp) -> the names of the parameters stage `stage` holds;
+    program(model, stage, pp, micro_batches, scales, loss_fn, autocast) -> a stage program (pipeline.ring.program
+    StageProgram) that also has specs() (one dict of pipeline.ring.MicroBatch fields per micro-batch),
+    message_dtype(), losses (mb -> unscaled loss, last stage) and telemetry(mb)."""
+
+    parameter_names: Callable
+    program: Callable
+
+
+class PipelineStage:
+    """This rank's stage of a model split over the pipeline: the parameters, modes and state the trainer reads
+    (only what the stage holds); it is not called: the runtime runs micro-batches through the stage program."""
+
+    def __init__(self, model, module: torch.nn.Module, held: list[str]):
+        self.model = model            # what the stage program computes with (ParallelLM's model under tp)
+        self.module = module          # the nn.Module whose parameters these are
+        self.held = set(held)
+
+    def named_parameters(self, *args, **kwargs):
+        return [(n, p) for n, p in self.module.named_parameters(*args, **kwargs) if n in self.held]
+
+    def parameters(self, *args, **kwargs):
+        return [p for _, p in self.named_parameters(*args, **kwargs)]
+
+    @property
+    def training(self) -> bool:
+        return self.module.training
+
+    def train(self, mode: bool = True) -> "PipelineStage":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "PipelineStage":
+        return self.train(False)
+
+    def __call__(self, *args, **kwargs):
+        raise TypeError("a pipeline stage holds part of the model and is not called: hand micro-batches to "
+                        "runtime.run_micro_batches (training) or runtime.forward_losses (evaluation)")
+
+
+class PipelineRuntime(ParallelRuntime):
+    """Ring pipeline x tensor x data parallelism for the trainer; see the module docstring. `in_flight`: the most
+    micro-batches holding lap activations at once on any rank (the ring schedule's memory bound);
+    `check_messages`: every message checked against what its Recv expects (pipeline.ring.execute; for debugging)."""
+
+    runs_pipeline = True
+
+    def __init__(self, layout, tp_plan, muon_functions, stage_functions: StageFunctions, zero_stage: int = 1,
+                 grad_reduce_dtype: str = "fp32", in_flight: int = 2, check_messages: bool = False):
+        super().__init__(layout, tp_plan, muon_functions, zero_stage=zero_stage, grad_reduce_dtype=grad_reduce_dtype)
+        self.stage_functions = stage_functions
+        self.in_flight = in_flight
+        self.check_messages = check_messages
+        self.stage, self.pp = layout.pp_rank, layout.pp
+        self.shared: set[str] = set()
+        self._schedules: dict[tuple, list] = {}
+
+    pp_size = property(lambda self: self.layout.pp)
+
+    # ---- model ---------------------------------------------------------------------------------------------
+    def held_parameter_names(self, model) -> list[str]:
+        """The parameters this rank's stage holds (model: the whole model, e.g. built on the meta device)."""
+        return list(self.stage_functions.parameter_names(model, self.stage, self.pp))
+
+    def prepare_model(self, model: torch.nn.Module, materialize=None) -> PipelineStage:
+        """Split the model over tp (tp > 1), materialise what this stage holds (materialize(model, tp_info), see
+        ParallelRuntime.prepare_model; the trainer passes one that fills only `held_parameter_names`) and put the
+        stage's gradients in the buffer; returns the PipelineStage."""
+        held = self.held_parameter_names(model)
+        first = set(self.stage_functions.parameter_names(model, 0, self.pp))
+        self.shared = first & set(self.stage_functions.parameter_names(model, self.pp - 1, self.pp))
+        self.model = model
+        inner = model
+        if self.layout.tp > 1:
+            inner = ParallelLM(model, self.layout, self.tp_plan)
+            self.tp_info = inner.tp_info
+        else:
+            self.tp_info = TensorParallelInfo(replicated=[n for n, _ in model.named_parameters()])
+        if materialize is not None:
+            materialize(model, self.tp_info)
+        stage = PipelineStage(model, model, held)
+        missing = [n for n, p in stage.named_parameters() if p.is_meta]
+        if missing:
+            raise RuntimeError(f"stage {self.stage} holds parameters still on the meta device: {missing[:3]}; "
+                               "materialise them (megaloop.train.build.held_parameters with the held names)")
+        self.use_buffer(GradBuffer(stage.named_parameters()[::-1]))
+        return stage
+
+    def uncounted_names(self) -> set[str]:
+        """Parameters whose gradient this rank leaves out of the global norm: the shared ones on the last stage
+        (the first stage counts them)."""
+        return self.shared if self.stage == self.pp - 1 else set()
+
+    # ---- one step ------------------------------------------------------------------------------------------
+    def run_micro_batches(self, model: PipelineStage, micro_batches, scales, autocast=contextlib.nullcontext,
+                          timer=None) -> list:
+        """The step's micro-batches through the ring schedule (forward and backward interleaved: the timer's
+        "forward" span is the whole run). Results: each micro-batch's unscaled loss (zero on all but the last
+        stage) and telemetry (each value from the stage that computes it, zero elsewhere)."""
+        timer = timer or NoTimer()
+        t0 = timer.mark()
+        program = self._program(model, micro_batches, scales, autocast)
+        specs = [MicroBatch(**spec) for spec in program.specs()]
+        key = tuple((s.laps, s.grad_laps, s.active) for s in specs)
+        if key not in self._schedules:
+            self._schedules = {key: ring_schedule(specs, self.pp, max_in_flight=self.in_flight)[self.stage]}
+        self._executor(program).run(self._schedules[key], specs)
+        timer.add("forward", t0, timer.mark())
+        return [self._result(program, mb) for mb in range(len(specs))]
+
+    def overlap_next_backward(self) -> None:
+        """Nothing: under the ring the data-parallel reduction runs after the step's last backward."""
+
+    def reduce_gradients(self, model=None) -> None:
+        """The shared parameters' gradients summed between the first and last stage, then as ParallelRuntime."""
+        if self.shared:
+            grads = [p.grad for n, p in model.named_parameters() if n in self.shared and p.grad is not None]
+            flat_all_reduce_(grads, self.layout.embed_group)
+        super().reduce_gradients(model)
+
+    @torch.no_grad()
+    def forward_losses(self, model: PipelineStage, micro_batches, autocast=contextlib.nullcontext) -> list[float]:
+        """Each micro-batch's mean token loss (no backward), on every rank: micro-batches one after the other
+        around the ring, the last stage's losses broadcast over the pp group."""
+        losses = torch.zeros(len(micro_batches), dtype=torch.float64)
+        for i, mb in enumerate(micro_batches):
+            program = self._program(model, [mb], [1.0], autocast)
+            specs = [MicroBatch(**program.specs()[0] | {"grad_laps": 1})]
+            forward = [a for a in chain(0, specs[0], self.pp)
+                       if not isinstance(a, (LossBackward, Backward, EmbedBackward))]
+            orders = [[a for a in forward if rank_of(a, self.pp) == rank] for rank in range(self.pp)]
+            self._executor(program).run(with_p2p(orders, specs)[self.stage], specs)
+            if self.stage == self.pp - 1:
+                losses[i] = float(program.losses[0])
+        device = self._comm_device()
+        losses = losses.to(device)
+        dist.broadcast(losses, self.layout.pp_ranks[-1], group=self.layout.pp_group)
+        return losses.cpu().tolist()
+
+    def _program(self, model: PipelineStage, micro_batches, scales, autocast):
+        loss_fn = None
+        if self.layout.tp > 1:
+            def loss_fn(logits, labels):
+                return vocab_parallel_cross_entropy(logits, labels, self.layout,
+                                                    vocab_start=self.tp_info.vocab_range[0])
+        return self.stage_functions.program(model.model, self.stage, self.pp, micro_batches, scales, loss_fn,
+                                            autocast)
+
+    def _executor(self, program) -> RingExecutor:
+        return RingExecutor(program, self.layout.pp_group, dtype=program.message_dtype(), device=self.device,
+                            check_messages=self.check_messages)
+
+    def _result(self, program, mb: int) -> MicroBatchResult:
+        loss = program.losses.get(mb)
+        if loss is None:
+            loss = torch.zeros((), dtype=torch.float64)
+        return MicroBatchResult(loss, program.telemetry(mb))
+
+    def describe_layout(self) -> dict:
+        return super().describe_layout() | {"pp_in_flight": self.in_flight}
