@@ -62,8 +62,8 @@ class ExecResult:
     """What one rank did: losses[mb] (last rank only), timings (action, start, end) of every compute action in
     `time.perf_counter` seconds, recvs (message, posted, arrived) of every Recv, posts (start, posted, done) of
     every `batch_isend_irecv` call (done: its receives completed; posted to done is the time this rank waited),
-    peak_stored (most stored tensor groups at once: a kept lap's input and output, the
-    loss's input and value, an open micro-batch's e) and peak_saved_bytes (autograd's saved tensors)."""
+    peak_stored (most stored tensor groups at once: a kept lap's input and output, the loss's input and value, an
+    open micro-batch's e) and peak_saved_bytes (autograd's saved tensors)."""
 
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     timings: list[tuple[Compute, float, float]] = field(default_factory=list)

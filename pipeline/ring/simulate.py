@@ -5,11 +5,11 @@ exists, a Recv that does not match its channel's next Send, a deadlock with its 
 Semantics (those of the executor): each rank runs its list in order; a compute action starts when the previous
 action of its rank has finished and lasts its cost; a Send is asynchronous and takes no time, its message arrives
 the cost model's `delay` later (with `rendezvous`: after the later of the Send and the posting of its Recv, which
-the executor posts with the whole run of Sends and Recvs, when the compute action before it ends); a Recv waits for the next message of its channel (src -> this rank), which must be the one it
-names. Stored activations: Embed, a Forward with autograd and Loss each store one unit on their rank until their
-backward frees it. A micro-batch is "in flight" on a rank while it has lap (or loss) activations stored there, and
-"open" from its Embed to its EmbedBackward (rank 0 keeps its e and prelude activations meanwhile; its no-autograd
-laps store nothing else).
+the executor posts with the whole run of Sends and Recvs, when the compute action before it ends); a Recv waits for
+the next message of its channel (src -> this rank), which must be the one it names. Stored activations: Embed, a
+Forward with autograd and Loss each store one unit on their rank until their backward frees it. A micro-batch is "in
+flight" on a rank while it has lap (or loss) activations stored there, and "open" from its Embed to its
+EmbedBackward (rank 0 keeps its e and prelude activations meanwhile; its no-autograd laps store nothing else).
 """
 from __future__ import annotations
 
