@@ -1,34 +1,49 @@
-"""The ring-pipeline executor's measured idle fraction beside the simulator's prediction from measured costs.
+"""The ring-pipeline executor's measured idle fraction per rank beside the simulator's prediction from measured costs.
 
-pp CPU processes (gloo, one thread each) run the toy looped model of tests/pipeline/test_ring_execute.py, wider,
-through the ring schedule of micro-batches of different lap counts. Every rank records each compute action's wall
-time; per step the measured idle fraction is 1 - sum(busy) / (pp x makespan), the makespan from the first rank's
-start (after a barrier) to the last rank's end. The mean cost of each action kind (no-grad forward, forward,
-backward, embed, loss and their backwards; over all ranks and steps) and the mean message latency (how long after
-its producer ended an action that waited for a message started) become a `CostModel`, and `pipeline.ring.simulate`
-runs the same schedule with it: its idle fraction is the prediction. Acceptance: within 20% of the measured one
-(relative). The toy computes B e once per micro-batch at Embed so that stage 0's laps cost what the others' do (the
-cost model has one cost per action kind for all ranks). Printed beside: the simulation with each step's own action
-durations (cost variance vs means) and each rank's "late starts", the time actions started after both their rank
-and their message were ready: gloo's delivery of the ~1 MB messages and process wake-ups, which a single latency
-does not capture and which is what remains between the simulated and measured idle fractions.
+pp CPU processes (gloo, one thread each) run a looped model through the ring schedule of micro-batches of different
+lap counts: by default the toy of tests/pipeline/test_ring_execute.py, wider (`--model toy`), or parcae-tiny as
+`megaloop.model.stages.LoopedStageProgram` stages (`--model parcae`). Before the steps, ranks 0 and 1 bounce
+messages of 0 to 1 x the run's message size with the executor's batch_isend_irecv (a ping-pong); a least-squares
+line through the one-way times gives the message delay a + b x bytes.
+
+Idle has one definition on both sides: per rank, 1 - busy / makespan, the makespan from the first rank's start
+(after a barrier) to the last rank's end. Measured, busy is the rank's time outside its waits for receives: each
+compute action is charged from its start to the next one's start, less the time spent waiting in
+`batch_isend_irecv`'s receives in between, so the executor's bookkeeping and the posting of sends and receives
+count as part of the action they follow. The mean of those charges per action kind (no-grad forward, forward,
+backward, embed, loss and their backwards; over ranks and steps), the ping-pong's a and b and the message size
+make a `CostModel` with `rendezvous`: gloo moves a payload only once the receiver has posted its buffer (the
+sender announces it, the receiver answers when its irecv is posted, then the sender's transport thread writes it),
+so a message sent long before its Recv still costs a + b x bytes after the Recv is posted. `pipeline.ring.simulate`
+runs the same schedule with it: its per-rank idle fractions are the prediction. Acceptance: each rank's measured
+median within 20% (relative) of the prediction. Nothing is fitted to the measured idle: the costs are per-kind
+means, the delay comes from the ping-pong.
+
+Printed beside, to show where a gap comes from: per rank, the compute time alone and the executor's overhead
+(bookkeeping, posting), the time spent waiting for receives and what the ping-pong's delay predicts for those
+waits given the measured posting times (the latency model checked on its own), the simulation with each step's
+own action costs (cost variance against the means), and the earlier comparison (busy = compute only, one
+latency after the send, no rendezvous), which counted the posting overhead and the late-posted receives' delivery
+as unexplained idle.
+
+The toy computes B e once per micro-batch at Embed so that stage 0's laps cost what the others' do (the cost model
+has one cost per action kind for all ranks); parcae-tiny's stage 0 applies the injection in its laps, a small extra.
 
 The machine the project is developed on has 2 cores shared by several people: a step's wall time swings with
-their load (the load average is printed), so several steps are printed (their spread is the noise) and the
-comparison uses their median. Measured there (pp 2, defaults): idle fraction simulated 0.19, measured 0.25
-(steps 0.243-0.251, load 1.2): 22% apart, just outside the 20% target; under heavier load (1.7-2.5) the measured
-one rose to 0.25-0.31 (28-44% apart), and with 8 layers per stage it was 0.167 against 0.127 (24%): the extra is
-in the late starts, while the simulation with each action's own duration stays near the one with the means. With
-async sends waited for right after posting, the run deadlocks: sends must stay in flight.
+their load (the load average is printed before and after), so several steps are measured and compared by their
+median.
 
 Usage (from the repository root):
 
-    python benchmarks/ring_execute.py                 # pp 2, 4 micro-batches, width 512, 3 measured steps
-    python benchmarks/ring_execute.py --pp 4 --steps 5
+    python benchmarks/ring_execute.py                  # toy, pp 2, 4 micro-batches, width 512, 5 measured steps
+    python benchmarks/ring_execute.py --model parcae   # parcae-tiny stages
+    python benchmarks/ring_execute.py --pp 4 --steps 7
 """
 from __future__ import annotations
 
 import argparse
+import bisect
+import math
 import os
 import pickle
 import statistics
@@ -36,6 +51,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -50,7 +66,10 @@ from pipeline.ring.p2p import neighbours  # noqa: E402
 from tests.pipeline.spawn import spawn  # noqa: E402
 from tests.pipeline.test_ring_execute import ToyLoop, ToyProgram, batch  # noqa: E402
 
-SPECS = [MicroBatch(6, 2), MicroBatch(3, 2), MicroBatch(8, 3), MicroBatch(5, 2)]
+LAPS = [(6, 2), (3, 2), (8, 3), (5, 2)]  # (laps, laps with autograd) of each micro-batch
+SPECS = [MicroBatch(laps, kept) for laps, kept in LAPS]
+PING_SIZES = (0.0, 0.125, 0.25, 0.5, 1.0)  # ping-pong message sizes, fractions of the run's message
+PING_REPS = 21
 
 
 def kind(action) -> str:
@@ -75,99 +94,286 @@ class BalancedProgram(ToyProgram):
 
 
 class Replay(CostModel):
-    """Each action's own measured duration (one step's), to tell cost variance from executor overhead."""
+    """Each action's own measured cost (one step's) with `base`'s message delay, to tell cost variance from the
+    rest."""
 
-    def __init__(self, durations: dict, latency: float):
-        super().__init__(latency=latency)
+    def __init__(self, durations: dict, base: CostModel):
+        super().__init__(**{f.name: getattr(base, f.name) for f in fields(base)})
         object.__setattr__(self, "durations", durations)
 
     def of(self, action, specs):
         return self.durations[action]
 
 
-def late_starts(step, ends: dict, rank: int, pp: int) -> list[tuple[float, bool]]:
-    """For each compute action of this rank: how long after it could start (this rank's previous action ended, and
-    the message it needs was computed on its rank) it started, and whether it waited for that message (its producer
-    ended after this rank's previous action) - the latter's mean is the cost model's message latency."""
-    before, _ = neighbours(SPECS, pp)
-    previous, out = step[0], []
-    for action, start, end in step[2]:
-        producer = before.get(action)
-        remote = producer is not None and rank_of(producer, pp) != rank
-        ready = max(previous, ends[producer]) if remote else previous
-        out.append((start - ready, remote and ends[producer] > previous))
-        previous = end
-    return out
+class RankCosts(CostModel):
+    """The mean cost of each (rank, action kind), per lap with every row active (scaled by a lap's active fraction
+    as CostModel does), with `base`'s message delay: the ranks run different code (embedding, injection, loss)."""
+
+    def __init__(self, means: dict, pp: int, base: CostModel):
+        super().__init__(**{f.name: getattr(base, f.name) for f in fields(base)})
+        object.__setattr__(self, "means", means)
+        object.__setattr__(self, "pp", pp)
+
+    def of(self, action, specs):
+        return self.means[rank_of(action, self.pp), kind(action)] * fraction(action, specs)
 
 
-def worker(rank, pp, args, out):
-    dist.init_process_group("gloo")
+def fraction(action, specs) -> float:
+    """The active fraction of a lap action (1 for the others)."""
+    return specs[action.mb].active_fraction(action.lap) if isinstance(action, (Forward, Backward)) else 1.0
+
+
+# the runs ----------------------------------------------------------------------------------------------------------
+
+def toy_program(rank: int, pp: int, args):
+    """(the balanced toy's stage, its micro-batch specs, the bytes of a message with every row active)."""
     model = ToyLoop(args.width, layers=pp * args.layers_per_stage, vocab=args.vocab)
     batches = [batch(mb, seq=args.seq, vocab=args.vocab, width=args.width, rows=args.rows)
                for mb in range(len(SPECS))]
     batches = [(ids, labels, h0.float()) for ids, labels, h0 in batches]
-    program = BalancedProgram(model, rank, pp, len(SPECS), batches)
-    actions = ring_schedule(SPECS, pp, max_in_flight=args.in_flight)[rank]
+    return BalancedProgram(model, rank, pp, len(SPECS), batches), SPECS, args.rows * args.seq * args.width * 4
+
+
+def parcae_program(rank: int, pp: int, args):
+    """(parcae-tiny's stage, fp32, one core block per stage; every micro-batch `rows` sequences of one depth)."""
+    from megaloop.config import load_config
+    from megaloop.model import build_model
+    from megaloop.model.stages import LoopedStageProgram, StageMicroBatch
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "parcae-tiny.yaml"
+    cfg = load_config(config, [f"model.n_core={pp}", f"model.seq_len={args.seq}"]).model
+    model = build_model(cfg, seed=0)
+    batches = []
+    for mb, (laps, kept) in enumerate(LAPS):
+        gen = torch.Generator().manual_seed(100 + mb)
+        ids = torch.randint(cfg.vocab_size, (args.rows, cfg.seq_len), generator=gen)
+        index = torch.arange(mb * args.rows, (mb + 1) * args.rows)
+        batches.append(StageMicroBatch(ids, ids.clone(), laps, kept, (0, 0, index)))
+    program = LoopedStageProgram(model, rank, pp, batches, 1 / len(batches))
+    specs = [MicroBatch(**spec) for spec in program.specs()]
+    return program, specs, math.prod(program.message_shape(0, 0)) * 4
+
+
+def ping_pong(rank: int, message_bytes: int) -> list[tuple[int, float]]:
+    """Ranks 0 and 1 bounce a float32 tensor of each PING_SIZES size, each way one batch_isend_irecv as the
+    executor posts it, PING_REPS times after two warm-ups, the sizes taking turns (a burst of load hits them all
+    alike); rank 0 returns (bytes, median one-way seconds) per size."""
+    tensors = [torch.zeros(max(1, int(fraction * message_bytes) // 4)) for fraction in PING_SIZES]
+    ops = [(dist.isend, 1), (dist.irecv, 1)] if rank == 0 else [(dist.irecv, 0), (dist.isend, 0)]
+    one_way = defaultdict(list)
+    for rep in range(PING_REPS + 2):
+        for tensor in tensors:
+            dist.barrier()
+            start = time.perf_counter()
+            for op, peer in ops if rank <= 1 else []:
+                dist.batch_isend_irecv([dist.P2POp(op, tensor, peer)])[0].wait()
+            if rep >= 2:
+                one_way[tensor.numel() * 4].append((time.perf_counter() - start) / 2)
+    return [(n, statistics.median(times)) for n, times in one_way.items()]
+
+
+def worker(rank, pp, args, out):
+    dist.init_process_group("gloo")
+    program, specs, message_bytes = (parcae_program if args.model == "parcae" else toy_program)(rank, pp, args)
+    pings = ping_pong(rank, message_bytes)
+    actions = ring_schedule(specs, pp, max_in_flight=args.in_flight)[rank]
     executor = RingExecutor(program, dtype=torch.float32)
     steps = []
     for _ in range(args.steps + 1):  # the first step warms up
         dist.barrier()
         start = time.perf_counter()
-        result = executor.run(actions, SPECS)
-        steps.append((start, time.perf_counter(), result.timings, result.recvs))
-    Path(f"{out}.{rank}").write_bytes(pickle.dumps(steps[1:]))
+        result = executor.run(actions, specs)
+        steps.append((start, time.perf_counter(), result.timings, result.posts, result.recvs))
+    Path(f"{out}.{rank}").write_bytes(pickle.dumps((steps[1:], pings, specs, message_bytes)))
+
+
+# the analysis ------------------------------------------------------------------------------------------------------
+
+def action_costs(timings: list, posts: list) -> tuple[list, float]:
+    """(each compute action's (action, cost), the rank's total wait): an action is charged from its start to the
+    next action's start (the last: to the end of its rank's last batch), less the waits for receives (posted to
+    done of each batch_isend_irecv) in between."""
+    costs, waited, j = [], 0.0, 0
+    for i, (action, start, end) in enumerate(timings):
+        stop = timings[i + 1][1] if i + 1 < len(timings) else max([end] + [done for _, _, done in posts[j:]])
+        wait = 0.0
+        while j < len(posts) and posts[j][0] < stop:
+            wait += posts[j][2] - posts[j][1]
+            j += 1
+        costs.append((action, stop - start - wait))
+        waited += wait
+    return costs, waited
+
+
+def predicted_waits(step: list, rank: int, pp: int, specs, costs: CostModel) -> float:
+    """The wait for receives the cost model's delay predicts for `rank` given the measured posting times: per
+    batch, the latest of its messages' max(sender's posting, this rank's posting) + delay, less its posting."""
+    posts = step[rank][3]
+    starts = [p[0] for p in posts]
+    latest: dict[int, float] = {}
+    for message, building, _ in step[rank][4]:
+        index = bisect.bisect_left(starts, building)
+        producer = message.producer
+        sender = step[rank_of(producer, pp)]
+        end = next(t1 for action, _, t1 in sender[2] if action == producer)
+        sent = sender[3][bisect.bisect_left([p[0] for p in sender[3]], end)][1]
+        arrival = max(sent, posts[index][1]) + costs.delay(message, specs)
+        latest[index] = max(latest.get(index, 0.0), arrival - posts[index][1])
+    return sum(latest.values())
+
+
+def fit_delay(pings: list) -> tuple[float, float]:
+    """(a, b) of the least-squares line one-way time = a + b x bytes through the ping-pong's medians."""
+    b, a = statistics.linear_regression([n for n, _ in pings], [t for _, t in pings])
+    return max(a, 0.0), max(b, 0.0)
+
+
+def within(measured: float, simulated: float) -> str:
+    gap = abs(simulated - measured) / measured if measured else math.inf
+    return f"{gap:.1%} ({'within' if gap <= 0.2 else 'OUTSIDE'} 20%)"
+
+
+def ms(values) -> str:
+    return ", ".join(f"{v * 1e3:.1f}" for v in values)
+
+
+def fractions(values) -> str:
+    return ", ".join(f"{v:.3f}" for v in values)
+
+
+def measure(step: list) -> dict:
+    """One step's measured figures: makespan, per rank busy (charged costs), compute alone, posting time, waits
+    and idle fraction, and every action's charged cost."""
+    start, end = min(r[0] for r in step), max(r[1] for r in step)
+    charged = [action_costs(r[2], r[3]) for r in step]
+    busy = [sum(c for _, c in costs) for costs, _ in charged]
+    return {"makespan": end - start, "busy": busy, "waits": [w for _, w in charged],
+            "compute": [sum(t1 - t0 for _, t0, t1 in r[2]) for r in step],
+            "posting": [sum(p - t for t, p, _ in r[3]) for r in step],
+            "idle": [1.0 - b / (end - start) for b in busy], "overall": 1.0 - sum(busy) / (len(step) * (end - start)),
+            "costs": {action: cost for costs, _ in charged for action, cost in costs}}
+
+
+def cost_models(own: dict, specs, pp: int, a: float, b: float, message_bytes: int) -> tuple[CostModel, RankCosts]:
+    """(the mean charged cost of each action kind over all ranks, of each (rank, kind)), per lap with every row
+    active; the ping-pong's delay; rendezvous."""
+    by_kind, by_rank = defaultdict(list), defaultdict(list)
+    for action, cost in own.items():
+        by_kind[kind(action)].append(cost / fraction(action, specs))
+        by_rank[rank_of(action, pp), kind(action)].append(cost / fraction(action, specs))
+    means = {name: statistics.fmean(values) for name, values in by_kind.items()}
+    pooled = CostModel(**means, latency=a, latency_per_byte=b, message_bytes=message_bytes, rendezvous=True)
+    return pooled, RankCosts({key: statistics.fmean(values) for key, values in by_rank.items()}, pp, pooled)
+
+
+VARIANTS = {  # the simulations of each step: name -> cost model from (pooled per kind, per rank and kind, own costs)
+    "mean cost per rank and kind": lambda pooled, ranked, own: ranked,
+    "mean cost per kind, all ranks alike": lambda pooled, ranked, own: pooled,
+    "mean cost per kind, without rendezvous (a message arrives its delay after its Send)":
+        lambda pooled, ranked, own: replace(pooled, rendezvous=False),
+    "each action's own cost": lambda pooled, ranked, own: Replay(own, pooled),
+}
+
+
+def compare(ranks: list, schedule: list, pp: int) -> None:
+    """Per step, the measured idle per rank and the simulations of VARIANTS from that step's charged costs (a
+    step's load moves all its costs together, so each step is predicted from its own); then the medians over the
+    steps, and the diagnostics of the module docstring."""
+    _, pings, specs, message_bytes = ranks[0]
+    a, b = fit_delay(pings)
+    print(f"ping-pong one-way (median of {PING_REPS}): " +
+          ", ".join(f"{n / 1024:.0f} KiB {t * 1e3:.3f} ms" for n, t in pings) +
+          f"; fit {a * 1e3:.3f} ms + {b * 1e9:.3f} ms/MB; the run's messages {message_bytes / 1024:.0f} KiB")
+    steps = [[r[0][s] for r in ranks] for s in range(len(ranks[0][0]))]
+    measured, simulated = [], defaultdict(list)
+    for s, step in enumerate(steps):
+        got = measure(step)
+        pooled, ranked = cost_models(got["costs"], specs, pp, a, b, message_bytes)
+        for name, model in VARIANTS.items():
+            simulated[name].append(simulate(schedule, specs, model(pooled, ranked, got["costs"])))
+        measured.append(got)
+        sim = simulated[next(iter(simulated))][-1]
+        print(f"step {s}: makespan {got['makespan'] * 1e3:.1f} ms (simulated {sim.makespan * 1e3:.1f}); per rank: "
+              f"busy {ms(got['busy'])} ms (simulated {ms(sim.busy)}; compute alone {ms(got['compute'])}, posting "
+              f"{ms(got['posting'])}), waits {ms(got['waits'])} ms (the delay model on the measured posting times "
+              f"{ms(predicted_waits(step, r, pp, specs, pooled) for r in range(pp))}); idle "
+              f"{fractions(got['idle'])} (simulated {fractions(sim.idle_fractions)})")
+    print_costs(steps, measured)
+    for i, (name, sims) in enumerate(simulated.items()):
+        print(f"simulated with the {name}:" if i == 0 else f"with the {name}:")
+        for rank in range(pp):
+            report(f"  rank {rank}", [m["idle"][rank] for m in measured], [sim.idle_fractions[rank] for sim in sims])
+        report("  all ranks", [m["overall"] for m in measured], [sim.idle_fraction for sim in sims])
+    earlier(steps, schedule, specs, pp)
+
+
+def print_costs(steps: list, measured: list) -> None:
+    charged, alone = defaultdict(list), defaultdict(list)
+    for step, got in zip(steps, measured):
+        for action, cost in got["costs"].items():
+            charged[kind(action)].append(cost)
+        for r in step:
+            for action, t0, t1 in r[2]:
+                alone[kind(action)].append(t1 - t0)
+    print("mean cost per action (ms), charged (compute alone): " + ", ".join(
+        f"{k} {statistics.fmean(v) * 1e3:.2f} ({statistics.fmean(alone[k]) * 1e3:.2f})"
+        for k, v in sorted(charged.items())))
+
+
+def report(name: str, measured: list, simulated: list) -> None:
+    got, want = statistics.median(measured), statistics.median(simulated)
+    print(f"{name} idle fraction: simulated {want:.3f}, measured {got:.3f} (medians; measured steps "
+          f"{min(measured):.3f}-{max(measured):.3f}); relative difference {within(got, want)}")
+
+
+def earlier(steps: list, schedule: list, specs, pp: int) -> None:
+    """The comparison as first made: busy = compute actions alone, their mean durations, one latency after the
+    send (the mean of how late actions that waited for a message started), no rendezvous."""
+    before, _ = neighbours(specs, pp)
+    durations, latencies, overall = defaultdict(list), [], []
+    for step in steps:
+        start, end = min(r[0] for r in step), max(r[1] for r in step)
+        ends = {action: t1 for r in step for action, _, t1 in r[2]}
+        busy = 0.0
+        for rank, r in enumerate(step):
+            previous = r[0]
+            for action, t0, t1 in r[2]:
+                durations[kind(action)].append(t1 - t0)
+                busy += t1 - t0
+                producer = before.get(action)
+                if producer is not None and rank_of(producer, pp) != rank and ends[producer] > previous:
+                    latencies.append(t0 - ends[producer])
+                previous = t1
+        overall.append(1.0 - busy / (pp * (end - start)))
+    means = {name: statistics.fmean(values) for name, values in durations.items()}
+    sim = simulate(schedule, specs, CostModel(**means, latency=statistics.fmean(latencies) if latencies else 0.0))
+    got = statistics.median(overall)
+    print(f"as first compared (compute alone, one latency after the send, no rendezvous): simulated "
+          f"{sim.idle_fraction:.3f}, measured median {got:.3f}; relative difference {within(got, sim.idle_fraction)}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("toy", "parcae"), default="toy")
     parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--width", type=int, default=512, help="toy only")
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--rows", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--layers-per-stage", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=512, help="toy only")
+    parser.add_argument("--layers-per-stage", type=int, default=2, help="toy only (parcae: one core block)")
     parser.add_argument("--in-flight", type=int, default=2)
     args = parser.parse_args()
+    load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "times")
         spawn(worker, args.pp, args, out)
         ranks = [pickle.loads(Path(f"{out}.{rank}").read_bytes()) for rank in range(args.pp)]
-    print(f"pp={args.pp}, micro-batches (laps, kept) {[(s.laps, s.grad_laps) for s in SPECS]}, width {args.width}, "
-          f"{args.rows} x {args.seq} tokens, {args.layers_per_stage} layers per stage, load average "
-          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    compare(ranks, ring_schedule(SPECS, args.pp, max_in_flight=args.in_flight), args.pp)
-
-
-def compare(ranks: list, schedule: list, pp: int) -> None:
-    """Prints each step's measured idle fraction and the simulated one from the mean measured costs."""
-    durations, latencies, measured, replays = defaultdict(list), [], [], []
-    for step in range(len(ranks[0])):
-        start, end = min(r[step][0] for r in ranks), max(r[step][1] for r in ranks)
-        busy = [sum(t1 - t0 for _, t0, t1 in r[step][2]) for r in ranks]
-        ends = {action: t1 for r in ranks for action, _, t1 in r[step][2]}
-        for r in ranks:
-            for action, t0, t1 in r[step][2]:
-                durations[kind(action)].append(t1 - t0)
-        late = [late_starts(r[step], ends, rank, pp) for rank, r in enumerate(ranks)]
-        latencies += [delay for per_rank in late for delay, waited in per_rank if waited]
-        measured.append(1.0 - sum(busy) / (pp * (end - start)))
-        replays.append({action: t1 - t0 for r in ranks for action, t0, t1 in r[step][2]})
-        print(f"step {step}: makespan {end - start:.3f} s, busy per rank {[round(b, 3) for b in busy]} s, "
-              f"measured idle fraction {measured[-1]:.3f}; late starts per rank "
-              f"{[round(sum(d for d, _ in per_rank), 3) for per_rank in late]} s")
-    means = {name: statistics.fmean(values) for name, values in durations.items()}
-    means["latency"] = statistics.fmean(latencies) if latencies else 0.0
-    print("mean action costs (ms): " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in sorted(means.items())) +
-          f" (latency over {len(latencies)} actions that waited for a message)")
-    predicted = simulate(schedule, SPECS, CostModel(**means)).idle_fraction
-    replayed = [simulate(schedule, SPECS, Replay(own, means["latency"])).idle_fraction for own in replays]
-    print(f"simulated with each step's own action durations instead of the means: "
-          f"{', '.join(f'{r:.3f}' for r in replayed)}")
-    median = statistics.median(measured)
-    gap = abs(predicted - median) / median
-    print(f"idle fraction: simulated {predicted:.3f}, measured median {median:.3f} (steps {min(measured):.3f}-"
-          f"{max(measured):.3f}); relative difference {gap:.1%} ({'within' if gap <= 0.2 else 'OUTSIDE'} 20%)")
+    specs = ranks[0][2]
+    print(f"{args.model}, pp={args.pp}, micro-batches (laps, kept) {[(s.laps, s.grad_laps) for s in specs]}, "
+          f"{args.rows} x {args.seq} tokens; load average {load:.2f} before, {os.getloadavg()[0]:.2f} after, on "
+          f"{os.cpu_count()} cores")
+    compare(ranks, ring_schedule(specs, args.pp, max_in_flight=args.in_flight), args.pp)
 
 
 if __name__ == "__main__":
