@@ -19,8 +19,9 @@ schedule over the same actions) made for this rank, in order:
 - Rank 0 keeps e from Embed as a leaf for the kept laps, so its gradient accumulates over them; EmbedBackward
   back-propagates that sum through the embedding and prelude.
 
-`run` returns the per-micro-batch losses (last rank), per-action wall times (benchmarks/ring_execute.py turns
-them into a `CostModel` for the simulator) and the peak stored tensors and autograd-saved bytes of this rank.
+`run` returns the per-micro-batch losses (last rank), per-action wall times and when each batch_isend_irecv was
+posted and its receives completed (benchmarks/ring_execute.py turns them into a `CostModel` for the simulator) and
+the peak stored tensors and autograd-saved bytes of this rank.
 """
 from __future__ import annotations
 
