@@ -229,7 +229,9 @@ def sharded_state(opt: CombinedOptimizer) -> tuple[list[tuple], dict[str, Any]]:
     entries are (array name, parameter name, tensor, sharded) tuples: Muon's momentum_buffer / second_moment under
     optim/muon/<key>/<name> (whole matrices), AdamW's exp_avg / exp_avg_sq under optim/adamw/<key>/<name> (shaped
     like this rank's parameter, i.e. its tensor-parallel shard: sharded=True). Distributed inner optimizers
-    (distributed Muon, ZeRO-1 AdamW) provide their own entries. scalars: counters and AdamW step counts (JSON).
+    (distributed Muon, ZeRO-1 AdamW) provide their own entries. scalars: counters, this optimizer's parameter names
+    and AdamW step counts (JSON); under pipeline parallelism each rank's cover its stage only: a checkpoint stores
+    the job's, :func:`merge_scalars` of every rank's.
     """
     entries: list[tuple] = []
     adamw_steps: dict[str, float] = {}
@@ -254,16 +256,59 @@ def sharded_state(opt: CombinedOptimizer) -> tuple[list[tuple], dict[str, Any]]:
     return entries, scalars
 
 
+NAME_KEYS = ("muon_names", "adamw_names")
+
+
+def parameter_names(opt: CombinedOptimizer) -> dict[str, list[str]]:
+    """{"muon_names": [...], "adamw_names": [...]}: the parameters this optimizer updates, by group."""
+    return {"muon_names": list(opt.muon_names), "adamw_names": list(opt.adamw_names)}
+
+
+def join_names(per_rank: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """The job's parameter names by group from every rank's (a pipeline stage's names, or all of them): each name
+    once, sorted, so that the result does not depend on the layout."""
+    return {key: sorted({name for names in per_rank for name in names[key]}) for key in NAME_KEYS}
+
+
+def merge_scalars(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """The job's optimizer scalars from every rank's :func:`sharded_state` scalars (in any order): the parameter
+    names joined (:func:`join_names`), the AdamW step counts merged; the counters must agree (every rank stepped
+    together), and so must the step counts of a parameter several ranks hold (data-parallel or stage replicas)."""
+    first, steps = per_rank[0], {}
+    for rank, scalars in enumerate(per_rank):
+        if (scalars["iteration"], scalars["num_skipped"]) != (first["iteration"], first["num_skipped"]):
+            raise ValueError(f"rank {rank} is at optimizer iteration {scalars['iteration']} ({scalars['num_skipped']} "
+                             f"skipped) but rank 0 at {first['iteration']} ({first['num_skipped']}): every rank must "
+                             "save after the same step")
+        for name, step in scalars["adamw_step"].items():
+            if steps.setdefault(name, step) != step:
+                raise ValueError(f"AdamW step counts of {name!r} differ between ranks ({steps[name]} and {step}); "
+                                 "every rank must save after the same step")
+    return {**first, **join_names(per_rank), "adamw_step": dict(sorted(steps.items()))}
+
+
+def check_saved_names(scalars: dict[str, Any], held: dict[str, list[str]]) -> None:
+    """Refuse optimizer state saved for other parameters than the job's (`held`: :func:`join_names` of every
+    rank's :func:`parameter_names`), naming a few missing and unexpected ones."""
+    for key in NAME_KEYS:
+        saved, here = set(scalars[key]), set(held[key])
+        if saved != here:
+            missing, unexpected = sorted(here - saved)[:5], sorted(saved - here)[:5]
+            raise ValueError(f"optimizer state was saved for other parameters ({key}: missing {missing}, unexpected "
+                             f"{unexpected}); build the optimizer from the same model and config, or load the weights "
+                             "only")
+
+
 @torch.no_grad()
-def load_sharded_state(opt: CombinedOptimizer, read: Callable, scalars: dict[str, Any]) -> None:
-    """Restore :func:`sharded_state` under any layout: read(array, name, sharded) returns the whole array
-    (sharded=False) or this rank's shard of it (True), or None when the checkpoint has no such array."""
+def load_sharded_state(opt: CombinedOptimizer, read: Callable, scalars: dict[str, Any],
+                       held: dict[str, list[str]] | None = None) -> None:
+    """Restore :func:`sharded_state` (the job's scalars, :func:`merge_scalars`) under any layout: read(array, name,
+    sharded) returns the whole array (sharded=False) or this rank's shard of it (True), or None when the checkpoint
+    has no such array. `held`: the names every rank of this job updates (:func:`join_names`; default this
+    optimizer's, as in one process); the saved names must be the same."""
     if scalars.get("format") != STATE_FORMAT:
         raise ValueError(f"not a {STATE_FORMAT} optimizer state (format = {scalars.get('format')!r})")
-    for key, names in (("muon_names", opt.muon_names), ("adamw_names", opt.adamw_names)):
-        if sorted(scalars[key]) != sorted(names):
-            raise ValueError(f"optimizer state was saved for other parameters ({key} differ); build the optimizer "
-                             "from the same model and config, or load the weights only")
+    check_saved_names(scalars, held or parameter_names(opt))
     steps = {k: float(v) for k, v in scalars["adamw_step"].items()}
     if opt.muon is not None:
         if hasattr(opt.muon, "load_sharded_state"):

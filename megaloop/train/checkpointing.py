@@ -2,7 +2,9 @@
 
 A checkpoint holds, as layout-free global arrays (see checkpoints/), every parameter under `model/<name>` and the
 optimizer state under `optim/...` (megaloop.optim.combined.sharded_state), plus JSON metadata: the config, the step,
-tokens seen, the saving layout, the data loader's position, the optimizer's counters and AdamW step counts. With
+tokens seen, the saving layout, the data loader's position, the optimizer's counters and AdamW step counts (the
+job's: under pipeline parallelism each rank's optimizer covers one stage, so they are merged over the ranks at save
+and each rank takes its parameters' at load; the stages' parameter names together must be the saved ones). With
 these, a resumed run repeats the uninterrupted one bit for bit: the depths, h_0 noise and data order are functions
 of (seed, step, sample index), and nothing else in the trainer carries state across steps.
 
@@ -202,7 +204,7 @@ class RunCheckpoints:
                 self._note(f"moved the unusable checkpoint to {aside}")
 
     def _load_full(self, reader, model, optimizer, data) -> None:
-        from megaloop.optim.combined import load_sharded_state
+        from megaloop.optim.combined import join_names, load_sharded_state, parameter_names
 
         meta = reader.metadata
         missing = [key for key in ("config", "optimizer", "loader") if key not in meta]
@@ -220,7 +222,8 @@ class RunCheckpoints:
             self._note(f"note: {diff} (continuing with the new value)")
         read = make_reader_fn(reader, self.runtime)
         load_model(model, read)
-        load_sharded_state(optimizer, read, meta["optimizer"])
+        held = join_names(self.runtime.all_gather_object(parameter_names(optimizer)))  # every stage's
+        load_sharded_state(optimizer, read, meta["optimizer"], held)
         data.loader.load_state_dict(meta["loader"])
         self.resumed_step = int(reader.step)
         self.tokens_before = int(meta.get("tokens", 0))
@@ -228,14 +231,18 @@ class RunCheckpoints:
         self.resumed_from = str(reader.path)
         saved, now = meta.get("layout", {}), self.runtime.describe_layout()
         self._note(f"resuming from {reader.path} (step {reader.step}, {self.tokens_before:,} tokens; saved with "
-                   f"tp={saved.get('tp')} dp={saved.get('dp')}, now tp={now['tp']} dp={now['dp']})")
+                   f"tp={saved.get('tp')} pp={saved.get('pp', 1)} dp={saved.get('dp')}, now tp={now['tp']} "
+                   f"pp={now.get('pp', 1)} dp={now['dp']})")
 
     # ---- saving ----------------------------------------------------------------------------------------------
     def save(self, step: int, model, optimizer, data, tokens_this_job: int, wait: bool = False) -> None:
         """Save the state after `step` optimizer steps (asynchronously unless `wait`; the next save waits)."""
+        from megaloop.optim.combined import merge_scalars
+
         if not self.enabled or step == self.last_saved_step:
             return
         pieces, scalars = state_pieces(model, optimizer, self.runtime)
+        scalars = merge_scalars(self.runtime.all_gather_object(scalars))  # every stage's parameters
         loader = data.state_dict()
         if loader["step"] != step:
             raise RuntimeError(f"the data loader is at global batch {loader['step']} after {step} steps")
