@@ -83,14 +83,15 @@ class PipelineStage:
 
 
 class PipelineRuntime(ParallelRuntime):
-    """Ring pipeline x tensor x data parallelism for the trainer; see the module docstring. `in_flight`: the most
-    micro-batches holding lap activations at once on any rank (the ring schedule's memory bound);
+    """Ring pipeline x tensor x data parallelism for the trainer; see the module docstring. At most `in_flight` x pp
+    micro-batches hold lap activations at once on any rank (the ring schedule's memory bound; 2 x that many are
+    between their embedding and its backward);
     `check_messages`: every message checked against what its Recv expects (pipeline.ring.execute; for debugging)."""
 
     runs_pipeline = True
 
     def __init__(self, layout, tp_plan, muon_functions, stage_functions: StageFunctions, zero_stage: int = 1,
-                 grad_reduce_dtype: str = "fp32", in_flight: int = 2, check_messages: bool = False):
+                 grad_reduce_dtype: str = "fp32", in_flight: int = 3, check_messages: bool = False):
         super().__init__(layout, tp_plan, muon_functions, zero_stage=zero_stage, grad_reduce_dtype=grad_reduce_dtype)
         self.stage_functions = stage_functions
         self.in_flight = in_flight
@@ -127,7 +128,7 @@ class PipelineRuntime(ParallelRuntime):
         if missing:
             raise RuntimeError(f"stage {self.stage} holds parameters still on the meta device: {missing[:3]}; "
                                "materialise them (megaloop.train.build.held_parameters with the held names)")
-        self.use_buffer(GradBuffer(stage.named_parameters()[::-1]))
+        self.defer_buffer(stage.named_parameters()[::-1])  # laid out when needed (ParallelRuntime.defer_buffer)
         return stage
 
     def uncounted_names(self) -> set[str]:
@@ -147,7 +148,7 @@ class PipelineRuntime(ParallelRuntime):
         specs = [MicroBatch(**spec) for spec in program.specs()]
         key = tuple((s.laps, s.grad_laps, s.active) for s in specs)
         if key not in self._schedules:
-            self._schedules = {key: ring_schedule(specs, self.pp, max_in_flight=self.in_flight)[self.stage]}
+            self._schedules = {key: ring_schedule(specs, self.pp, max_in_flight=self.in_flight * self.pp)[self.stage]}
         self._executor(program).run(self._schedules[key], specs)
         timer.add("forward", t0, timer.mark())
         return [self._result(program, mb) for mb in range(len(specs))]

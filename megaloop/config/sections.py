@@ -12,7 +12,8 @@ class ParallelConfig:
 
     tp: int = 1
     pp: int = 1
-    pp_in_flight: int = 2  # pp > 1: the most micro-batches holding lap activations at once on a pipeline rank
+    pp_in_flight: int = 3  # pp > 1: at most pp_in_flight x pp micro-batches hold lap activations at once (the ring
+    #                        schedule's memory bound; `python -m megaloop plan --pp` shows the memory it takes)
     dp: int | None = None
     sequence_parallel: bool | None = None  # None: on when tp > 1
     engine: str = "native"  # native | deepspeed

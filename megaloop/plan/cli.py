@@ -18,9 +18,10 @@ def add_arguments(p) -> None:
                    help="pipeline stages (sets parallel.pp; default: the config's): with P > 1, each ring stage's "
                    "parameters, gradients, optimizer state and stored activations, and the simulated ring "
                    "schedule of one optimizer step (makespan, idle fraction per stage)")
-    p.add_argument("--in-flight", type=int, default=IN_FLIGHT_PER_STAGE, metavar="K",
-                   help=f"ring pipeline: at most K x P micro-batches hold lap activations at once, 2 K x P are "
-                   f"open (default {IN_FLIGHT_PER_STAGE})")
+    p.add_argument("--in-flight", type=int, default=None, metavar="K",
+                   help="ring pipeline: at most K x P micro-batches hold lap activations at once, 2 K x P are "
+                   "open (sets parallel.pp_in_flight; default: the config's, "
+                   f"{IN_FLIGHT_PER_STAGE} unless set)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
 
@@ -28,12 +29,13 @@ def run_plan(args) -> int:
     """Load and check the config for the job's GPU count (as `launch` does, but a valid pp > 1 layout passes),
     then print the plan; a job that cannot run raises ConfigError."""
     for name in ("nodes", "gpus_per_node", "in_flight"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ConfigError("--" + name.replace("_", "-"), getattr(args, name), "must be >= 1")
     world = args.nodes * args.gpus_per_node
     overrides = list(args.overrides) + ([f"parallel.pp={args.pp}"] if args.pp is not None else [])
+    overrides += [f"parallel.pp_in_flight={args.in_flight}"] if args.in_flight is not None else []
     cfg = load_config(args.config, overrides, world_size=world)
-    plan = make_plan(cfg, gpu(args.gpu), world, args.in_flight)
+    plan = make_plan(cfg, gpu(args.gpu), world, cfg.parallel.pp_in_flight)
     if args.json:
         print(json.dumps(plan_dict(plan, world, args.nodes)))
     else:

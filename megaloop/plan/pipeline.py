@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megaloop.config import Config, ConfigError
+from megaloop.config.sections import ParallelConfig
 from megaloop.model.block import has_value_embedding
 from megaloop.model.stages import core_ranges as stage_core_ranges
 from megaloop.plan.activations import (
@@ -55,7 +56,7 @@ from pipeline.ring import (
     simulate,
 )
 
-IN_FLIGHT_PER_STAGE = 3  # the bound: this many times pp micro-batches in flight (benchmarks/ring_schedule.py)
+IN_FLIGHT_PER_STAGE = ParallelConfig.pp_in_flight  # the bound: this many times pp micro-batches in flight
 FIRST = ("embed.", "prelude.", "prelude_norm.", "injection.")
 LAST = ("embed.", "C.", "coda.", "final_norm.")
 
