@@ -14,6 +14,8 @@ class ParallelConfig:
     pp: int = 1
     pp_in_flight: int = 3  # pp > 1: at most pp_in_flight x pp micro-batches hold lap activations at once (the ring
     #                        schedule's memory bound; `python -m megaloop plan --pp` shows the memory it takes)
+    pp_split: str = "even"  # pp > 1: core blocks per stage: even (sizes differ by at most one) | balanced (fewer on
+    #                         the end stages, which also run the prelude or the coda and head)
     dp: int | None = None
     sequence_parallel: bool | None = None  # None: on when tp > 1
     engine: str = "native"  # native | deepspeed
@@ -32,6 +34,7 @@ class ParallelConfig:
         if self.dp is not None and self.dp < 1:
             raise ConfigError("parallel.dp", self.dp, "must be >= 1 or null (derived from the world size)")
         check_choice("parallel.engine", self.engine, ("native", "deepspeed"))
+        check_choice("parallel.pp_split", self.pp_split, ("even", "balanced"))
         check_choice("parallel.backend", self.backend, ("auto", "gloo", "nccl"))
         check_choice("parallel.grad_reduce_dtype", self.grad_reduce_dtype, ("fp32", "bf16"))
         if self.dp_balance is not None:

@@ -40,31 +40,59 @@ from megaloop.model.execution import maybe_checkpoint
 from megaloop.model.looped import LoopedLM
 
 
-def core_ranges(n_core: int, pp: int) -> list[tuple[int, int]]:
+SPLITS = ("even", "balanced")
+
+
+def core_ranges(n_core: int, pp: int, end_costs: tuple[float, float] = (0.0, 0.0)) -> list[tuple[int, int]]:
     """The core blocks of each of pp stages as inclusive (first, last) ranges: contiguous, covering 0..n_core-1,
-    sizes differing by at most one (the earlier stages get the extra blocks)."""
+    each stage at least one block. end_costs: the first and the last stage's extra work in core blocks (0, 0: sizes
+    differing by at most one, the earlier stages getting the extra blocks); otherwise each further block goes to
+    the stage with the least work so far (ties: the one with less extra work, then the earlier), which makes the
+    busiest stage as light as whole blocks allow."""
     if pp < 1:
         raise ValueError(f"the number of pipeline stages must be >= 1, got {pp}")
     if pp > n_core:
         raise ValueError(f"more pipeline stages than core blocks ({pp} > {n_core}): every stage needs at least "
                          f"one core block; use pp <= n_core (parallel.pp) or a model with more core blocks")
-    per, extra = divmod(n_core, pp)
+    extra = [0.0] * pp
+    extra[0] += end_costs[0]
+    extra[-1] += end_costs[1]
+    sizes = [1] * pp
+    for _ in range(n_core - pp):
+        stage = min(range(pp), key=lambda s: (sizes[s] + extra[s], extra[s], s))
+        sizes[stage] += 1
     ranges, first = [], 0
-    for stage in range(pp):
-        size = per + (1 if stage < extra else 0)
+    for size in sizes:
         ranges.append((first, first + size - 1))
         first += size
     return ranges
 
 
-def stage_parameter_names(model: LoopedLM, stage: int, pp: int) -> list[str]:
+def stage_end_costs(cfg) -> tuple[float, float]:
+    """The first and last stage's extra work per micro-batch in core blocks (model config `cfg`, an estimate from
+    forward FLOPs per token, backward twice the forward): a core block runs mu_rec laps forward and backprop_depth
+    backward (1 + 2 per lap), a prelude or coda block once (3), the tied head 2 d V against a block's ~24 d^2."""
+    core = cfg.mu_rec + 2 * cfg.backprop_depth
+    head = cfg.vocab_size / (12 * cfg.d_model)
+    return 3 * cfg.n_prelude / core, 3 * (cfg.n_coda + head) / core
+
+
+def stage_ranges(cfg, pp: int, split: str = "even") -> list[tuple[int, int]]:
+    """core_ranges for model config `cfg`: split "even" (sizes differ by at most one) or "balanced" (the end stages,
+    which also run the prelude or the coda and head, get fewer core blocks: stage_end_costs)."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown pipeline split {split!r}; use one of {SPLITS}")
+    return core_ranges(cfg.n_core, pp, stage_end_costs(cfg) if split == "balanced" else (0.0, 0.0))
+
+
+def stage_parameter_names(model: LoopedLM, stage: int, pp: int, split: str = "even") -> list[str]:
     """The parameters ring rank `stage` of `pp` holds, in model.named_parameters() order: rank 0 the embedding, the
-    prelude, the prelude norm and the injection; every rank its core segment (core_ranges); the last rank C, the
+    prelude, the prelude norm and the injection; every rank its core segment (stage_ranges with `split`); the last rank C, the
     coda, the final norm and the tied embedding (embed.weight is on rank 0 AND the last rank: its gradient is summed
     between the two); each block's value-embedding table goes with its block. pp 1: every parameter."""
     if not 0 <= stage < pp:
         raise ValueError(f"stage must be in 0..{pp - 1} for pp={pp}, got {stage}")
-    first, last = core_ranges(model.cfg.n_core, pp)[stage]
+    first, last = stage_ranges(model.cfg, pp, split)[stage]
     prefixes = [f"core.{i}" for i in range(first, last + 1)]
     blocks = list(model.core[first:last + 1])
     if stage == 0:
@@ -124,17 +152,18 @@ class LoopedStageProgram:
     e.g. the trainer's tokens / global tokens). See the module docstring.
 
     loss_fn(logits, labels) -> the mean token loss (default: cross-entropy ignoring -100; a tensor-parallel runtime
-    passes its vocabulary-parallel one); every computation runs under `autocast()`. After a run, `losses[mb]` holds
+    passes its vocabulary-parallel one); every computation runs under `autocast()`; `split`: the core split
+    (stage_ranges), as stage_parameter_names was given it. After a run, `losses[mb]` holds
     the last rank's unscaled losses and `telemetry(mb)` what LoopedLM.forward reports, each value on the rank that
     computes it and zero on the others (so a sum over the pipeline ranks is the single-process value)."""
 
     def __init__(self, model: LoopedLM, stage: int, pp: int, micro_batches: Sequence[StageMicroBatch],
                  scale: Union[float, Sequence[float]] = 1.0, loss_fn: Optional[Callable] = None,
-                 autocast: Callable[[], ContextManager] = contextlib.nullcontext):
+                 autocast: Callable[[], ContextManager] = contextlib.nullcontext, split: str = "even"):
         if not 0 <= stage < pp:
             raise ValueError(f"stage must be in 0..{pp - 1} for pp={pp}, got {stage}")
         self.model, self.stage, self.pp = model, stage, pp
-        first, last = core_ranges(model.cfg.n_core, pp)[stage]
+        first, last = stage_ranges(model.cfg, pp, split)[stage]
         self.blocks = list(model.core[first:last + 1])
         self.batches = list(micro_batches)
         single = isinstance(scale, numbers.Real)

@@ -1,8 +1,9 @@
 """The ring pipeline's plan (parallel.pp > 1): per-stage parameters, gradients, optimizer state and stored
 activations, and the simulated schedule of one optimizer step.
 
-Stages: ring rank s holds the core blocks the model's stage program gives it (megaloop.model.stages.core_ranges:
-contiguous, the earlier stages one more when pp does not divide n_core); rank 0 also the embedding, the prelude, the prelude norm and the injection; the last rank C, the coda, the final norm and the head, which is the
+Stages: ring rank s holds the core blocks the model's stage program gives it (megaloop.model.stages.stage_ranges
+with parallel.pp_split: contiguous; "even": the earlier stages one more when pp does not divide n_core; "balanced":
+fewer on the end stages); rank 0 also the embedding, the prelude, the prelude norm and the injection; the last rank C, the coda, the final norm and the head, which is the
 tied embedding, so the embedding is counted on both. A value embedding sits on the stage of the layer that uses it.
 Gradients and optimizer state are `static_terms` of the stage's parameters on its tp x dp ranks.
 
@@ -31,7 +32,7 @@ import numpy as np
 from megaloop.config import Config, ConfigError
 from megaloop.config.sections import ParallelConfig
 from megaloop.model.block import has_value_embedding
-from megaloop.model.stages import core_ranges as stage_core_ranges
+from megaloop.model.stages import stage_ranges
 from megaloop.plan.activations import (
     Sizes,
     _stack_bytes,
@@ -106,9 +107,9 @@ class PipelinePlan:
         return (len(self.stages) - 1) / (self.mean_laps * len(self.specs))
 
 
-def core_ranges(n_core: int, pp: int) -> list[tuple[int, int]]:
+def core_ranges(cfg: Config, pp: int) -> list[tuple[int, int]]:
     """Core blocks [first, end) of each stage, as the model's stage program splits them."""
-    return [(first, last + 1) for first, last in stage_core_ranges(n_core, pp)]
+    return [(first, last + 1) for first, last in stage_ranges(cfg.model, pp, cfg.parallel.pp_split)]
 
 
 def _stages_of(name: str, cfg: Config, ranges: list[tuple[int, int]]) -> list[int]:
@@ -132,7 +133,7 @@ def _stages_of(name: str, cfg: Config, ranges: list[tuple[int, int]]) -> list[in
 
 def stage_params(params: list[LocalParam], cfg: Config, pp: int) -> list[list[LocalParam]]:
     """Each stage's parameters (see the module docstring; the tied embedding on the first and the last)."""
-    ranges = core_ranges(cfg.model.n_core, pp)
+    ranges = core_ranges(cfg, pp)
     stages: list[list[LocalParam]] = [[] for _ in range(pp)]
     for p in params:
         for s in _stages_of(p.name, cfg, ranges):
@@ -231,7 +232,7 @@ def pipeline_plan(cfg: Config, layout: Layout, params: list[LocalParam],
     """Stages, schedule and simulation of `cfg` on `layout` (pp > 1) with at most `in_flight` x pp micro-batches in
     flight; `params`: every parameter at its tensor-parallel shape."""
     pp = layout.pp
-    ranges = core_ranges(cfg.model.n_core, pp)
+    ranges = core_ranges(cfg, pp)
     specs = micro_batch_specs(cfg, layout.dp)
     costs = stage_costs(params, cfg, ranges)
     bound = in_flight * pp

@@ -6,6 +6,7 @@ pipeline groups), so the loop itself has no parallel code.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -120,7 +121,9 @@ def make_runtime(cfg, device: torch.device):
         from megaloop.model.stages import LoopedStageProgram, stage_parameter_names
         from pipeline.pipeline_runtime import PipelineRuntime, StageFunctions
 
-        stages = StageFunctions(parameter_names=stage_parameter_names, program=LoopedStageProgram)
+        split = p.pp_split
+        stages = StageFunctions(parameter_names=functools.partial(stage_parameter_names, split=split),
+                                program=functools.partial(LoopedStageProgram, split=split))
         return PipelineRuntime(layout, tensor_parallel_plan(m.mlp), functions, stages, zero_stage=p.zero_stage,
                                grad_reduce_dtype=p.grad_reduce_dtype, in_flight=p.pp_in_flight)
     return ParallelRuntime(layout, tensor_parallel_plan(m.mlp), functions, zero_stage=p.zero_stage,

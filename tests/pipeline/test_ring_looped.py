@@ -12,10 +12,14 @@ laps and active fractions are checked against hand-counted values, and the input
 a clear error."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from megaloop.model.stages import LoopedStageProgram, StageMicroBatch, core_ranges, micro_batch_spec
+from megaloop.config import load_config
+from megaloop.model.stages import (LoopedStageProgram, StageMicroBatch, core_ranges, micro_batch_spec,
+                                   stage_end_costs, stage_ranges)
 from tests.pipeline.models import max_rel_err
 from tests.pipeline.spawn import spawn
 from tests.pipeline.workers_ring import build, reference, worker
@@ -61,6 +65,21 @@ def test_core_ranges():
     assert core_ranges(3, 1) == [(0, 2)]
     with pytest.raises(ValueError, match="more pipeline stages than core blocks .*use pp <= n_core"):
         core_ranges(2, 4)
+
+
+def test_balanced_split_gives_the_end_stages_fewer_core_blocks():
+    """parcae-1_3b (prelude, core, coda 8 blocks; d 1536, vocab 32768, mu_rec 8, mu_bwd 4): a core block is
+    8 + 2 x 4 = 16 block passes per micro-batch, the prelude 3 x 8 = 24 (1.5 blocks), the coda and head
+    3 x (8 + 32768 / (12 x 1536)) = 29.3 (1.83 blocks); at pp 4 the 8 core blocks go 1, 3, 3, 1 (work 2.5, 3, 3,
+    2.83 blocks; the even 2, 2, 2, 2 has 3.5 and 3.83 at the ends)."""
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "parcae-1_3b.yaml").model
+    first, last = stage_end_costs(cfg)
+    assert abs(first - 1.5) < 1e-12 and abs(last - 3 * (8 + 32768 / (12 * 1536)) / 16) < 1e-12
+    assert stage_ranges(cfg, 4, "balanced") == [(0, 0), (1, 3), (4, 6), (7, 7)]
+    assert stage_ranges(cfg, 4, "even") == core_ranges(8, 4) == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert core_ranges(4, 2, (1.5, 0.5)) == [(0, 0), (1, 3)]  # loads 2.5 vs 1.5 + 1: the tie goes to less extra
+    with pytest.raises(ValueError, match="unknown pipeline split 'uneven'"):
+        stage_ranges(cfg, 4, "uneven")
 
 
 def test_micro_batch_spec():
