@@ -31,7 +31,7 @@ from pipeline.grad_buffer import GradBuffer, flat_all_reduce_
 from pipeline.micro_batches import MicroBatchResult, NoTimer
 from pipeline.parallel_lm import ParallelLM
 from pipeline.ring import MicroBatch, chain, rank_of, ring_schedule, with_p2p
-from pipeline.ring.actions import Backward, EmbedBackward, LossBackward
+from pipeline.ring.actions import Embed, Forward, Loss
 from pipeline.ring.execute import RingExecutor
 from pipeline.runtime import ParallelRuntime
 from pipeline.tensor_parallel import TensorParallelInfo
@@ -80,6 +80,19 @@ class PipelineStage:
     def __call__(self, *args, **kwargs):
         raise TypeError("a pipeline stage holds part of the model and is not called: hand micro-batches to "
                         "runtime.run_micro_batches (training) or runtime.forward_losses (evaluation)")
+
+
+def forward_orders(specs, pp: int) -> list[list]:
+    """Per-rank compute orders that run the micro-batches `specs` forward only (Embed, every lap's Forward, Loss;
+    no backward): every rank takes its actions in one global order, lap by lap and within a lap micro-batch by
+    micro-batch (Embed before lap 0, Loss after the micro-batch's last lap). Every action's input comes from an
+    action earlier in that order, so with asynchronous sends no rank waits on one that waits for it, and with pp
+    micro-batches every rank has work while the others run theirs."""
+    key = {Embed: lambda a: (-1, a.mb, 0), Forward: lambda a: (a.lap, a.mb, a.stage),
+           Loss: lambda a: (specs[a.mb].laps - 1, a.mb, pp)}
+    actions = [a for mb, spec in enumerate(specs) for a in chain(mb, spec, pp) if type(a) in key]
+    actions.sort(key=lambda a: key[type(a)](a))
+    return [[a for a in actions if rank_of(a, pp) == rank] for rank in range(pp)]
 
 
 class PipelineRuntime(ParallelRuntime):
@@ -165,20 +178,17 @@ class PipelineRuntime(ParallelRuntime):
 
     @torch.no_grad()
     def forward_losses(self, model: PipelineStage, micro_batches, autocast=contextlib.nullcontext) -> list[float]:
-        """Each micro-batch's mean token loss (no backward), on every rank: micro-batches one after the other
-        around the ring, the last stage's losses broadcast over the pp group."""
+        """Each micro-batch's mean token loss (no backward), on every rank: pp micro-batches at a time around the
+        ring (forward_orders), the last stage's losses broadcast over the pp group."""
         losses = torch.zeros(len(micro_batches), dtype=torch.float64)
-        for i, mb in enumerate(micro_batches):
-            program = self._program(model, [mb], [1.0], autocast)
-            specs = [MicroBatch(**program.specs()[0] | {"grad_laps": 1})]
-            forward = [a for a in chain(0, specs[0], self.pp)
-                       if not isinstance(a, (LossBackward, Backward, EmbedBackward))]
-            orders = [[a for a in forward if rank_of(a, self.pp) == rank] for rank in range(self.pp)]
-            self._executor(program).run(with_p2p(orders, specs)[self.stage], specs)
+        for lo in range(0, len(micro_batches), self.pp):
+            group = list(micro_batches[lo:lo + self.pp])
+            program = self._program(model, group, [1.0] * len(group), autocast)
+            specs = [MicroBatch(**spec | {"grad_laps": 1}) for spec in program.specs()]
+            self._executor(program).run(with_p2p(forward_orders(specs, self.pp), specs)[self.stage], specs)
             if self.stage == self.pp - 1:
-                losses[i] = float(program.losses[0])
-        device = self._comm_device()
-        losses = losses.to(device)
+                losses[lo:lo + len(group)] = torch.stack([program.losses[mb] for mb in range(len(group))]).cpu()
+        losses = losses.to(self._comm_device())
         dist.broadcast(losses, self.layout.pp_ranks[-1], group=self.layout.pp_group)
         return losses.cpu().tolist()
 
