@@ -103,7 +103,9 @@ class FlatGroup:
 class GradBuffer:
     """Flat buffers for `named_params` (see the module docstring): one FlatGroup per dtype, chunked over `dp`
     with this process owning chunk `rank`. `owners` maps a parameter name to the chunk that must hold it whole
-    (absent: cuttable). The parameters' .data and .grad become views into the buffers (values are kept)."""
+    (absent: cuttable). The parameters' .data and .grad become views into the buffers (values are kept); the
+    gradient vector is allocated after the parameters moved, so laying out holds at most the old and the flat
+    parameters at once (plus any gradients that exist)."""
 
     def __init__(self, named_params: list[tuple[str, torch.Tensor]], dp: int = 1, rank: int = 0,
                  owners: dict[str, int] | None = None):
@@ -119,14 +121,15 @@ class GradBuffer:
         chunk_len, offsets = plan_chunks(items, self.dp)
         like = named[0][1]
         param_flat = torch.zeros(chunk_len * self.dp, dtype=like.dtype, device=like.device)
-        grad_flat = torch.zeros_like(param_flat)
         for (_, p), off in zip(named, offsets):
-            view = slice(off, off + p.numel())
-            param_flat[view].copy_(p.detach().reshape(-1))
+            param_flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = param_flat[off:off + p.numel()].view_as(p)  # frees the old storage if nothing else holds it
+        grad_flat = torch.zeros_like(param_flat)  # only now: the peak is two parameter sets, not three
+        for (_, p), off in zip(named, offsets):
+            view = grad_flat[off:off + p.numel()]
             if p.grad is not None:
-                grad_flat[view].copy_(p.grad.reshape(-1))
-            p.data = param_flat[view].view_as(p)
-            p.grad = grad_flat[view].view_as(p)
+                view.copy_(p.grad.reshape(-1))
+            p.grad = view.view_as(p)
         return FlatGroup([n for n, _ in named], [p for _, p in named], offsets, chunk_len, self.dp, param_flat,
                          grad_flat)
 

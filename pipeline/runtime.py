@@ -1,16 +1,18 @@
 """The multi-process runtime the trainer talks to (same methods as megaloop's SingleProcessRuntime).
 
     runtime = ParallelRuntime(layout, tp_plan, muon_functions, zero_stage=1, grad_reduce_dtype="fp32")
-    model = runtime.prepare_model(model)                 # tensor parallelism (plan) + gradient buffer and reducer
+    model = runtime.prepare_model(model)                 # tensor parallelism (plan); the gradient buffer waits
     optimizer = build_optimizer(model.named_parameters(), ..., parts=runtime.optimizer_parts())
     runtime.run_micro_batches(model, micro_batches, scales)  # forward + backward of each (pipeline/micro_batches.py)
     runtime.reduce_gradients(model)                      # dp reduce-scatter (ZeRO-1) or all-reduce + tp partials
     optimizer.step(step)                                 # global clip, distributed Muon, ZeRO-1 AdamW, all-gather
     runtime.sum_over_dp(x) / mean_over_dp(x)             # logged metrics
 
-Gradients live in a :class:`GradBuffer` (every .grad a view of one flat vector per dtype). prepare_model lays out a
-plain one (one chunk, all-reduced), so gradients can be reduced before any optimizer exists; the optimizer built
-with :meth:`ParallelRuntime.optimizer_parts` lays out the chunked one it updates (see pipeline/optimizer_parts.py).
+Gradients live in a :class:`GradBuffer` (every .grad a view of one flat vector per dtype). The optimizer built with
+:meth:`ParallelRuntime.optimizer_parts` lays out the chunked one it updates (see pipeline/optimizer_parts.py).
+Without one, a plain buffer (one chunk, all-reduced) is laid out when gradients first need it (the first
+runtime.backward, overlap_next_backward, reduce_gradients, or reading runtime.buffer / runtime.reducer): prepare_model
+only records the parameters, so the trainer copies its parameters into one flat buffer, never two at once.
 The per-matrix Muon math comes in as `muon_functions` (pipeline never imports megaloop).
 """
 from __future__ import annotations
@@ -51,8 +53,9 @@ class ParallelRuntime:
         self.grad_reduce_dtype = grad_reduce_dtype
         self.model: torch.nn.Module | None = None
         self.tp_info = TensorParallelInfo()
-        self.buffer: GradBuffer | None = None
-        self.reducer: BufferReducer | None = None
+        self._buffer: GradBuffer | None = None
+        self._reducer: BufferReducer | None = None
+        self._deferred: list | None = None  # (name, parameter) of the plain buffer not laid out yet
         self._parts: OptimizerParts | None = None
 
     # ---- identity of this rank ------------------------------------------------------------------------------
@@ -75,10 +78,10 @@ class ParallelRuntime:
         return set()
 
     def prepare_model(self, model: torch.nn.Module, materialize=None):
-        """Split the model by the plan (tp > 1), put its gradients in a plain (all-reduced) buffer and attach the
-        data-parallel reducer; returns what to call.
+        """Split the model by the plan (tp > 1) and defer a plain (all-reduced) gradient buffer for its parameters
+        (see defer_buffer); returns what to call.
 
-        materialize(model, tp_info), when given, runs right after the split, before the buffer: for a model built on
+        materialize(model, tp_info), when given, runs right after the split: for a model built on
         the meta device, it allocates and initialises what this rank holds (its shards, the replicated parameters),
         so no rank ever allocates a whole split parameter set (megaloop's trainer passes one)."""
         self.model = model
@@ -91,16 +94,45 @@ class ParallelRuntime:
         if materialize is not None:
             materialize(model, self.tp_info)
         named = list(model.named_parameters())
-        self.use_buffer(GradBuffer(named[::-1]))  # backward order: early buckets complete early
+        self.defer_buffer(named[::-1])  # backward order: early buckets complete early
         return wrapped
 
+    def defer_buffer(self, named_params) -> None:
+        """Reduce the gradients of `named_params` (name, parameter) through a plain buffer (one chunk, all-reduced)
+        laid out only when gradients first need it, unless an optimizer's buffer (use_buffer) comes first: laying
+        it out copies every parameter into a flat vector, which the optimizer's chunked buffer would copy again."""
+        self._drop_reducer()
+        self._buffer, self._deferred = None, list(named_params)
+
     def use_buffer(self, buffer: GradBuffer) -> None:
-        """Reduce gradients through `buffer` from now on (reduce-scatter when it is chunked over dp)."""
-        if self.reducer is not None:
-            self.reducer.remove_hooks()
-        self.buffer = buffer
+        """Reduce gradients through `buffer` from now on (reduce-scatter when it is chunked over dp); a deferred
+        plain buffer is never laid out."""
+        self._drop_reducer()
+        self._buffer, self._deferred = buffer, None
         group = self.layout.dp_group if self.layout.dp > 1 else None
-        self.reducer = BufferReducer(buffer, group, self.bucket_mb, self.grad_reduce_dtype)
+        self._reducer = BufferReducer(buffer, group, self.bucket_mb, self.grad_reduce_dtype)
+
+    @property
+    def buffer(self) -> GradBuffer | None:
+        """The gradient buffer (the deferred plain one is laid out now if no other came first); None before
+        prepare_model."""
+        self._lay_out_deferred()
+        return self._buffer
+
+    @property
+    def reducer(self) -> BufferReducer | None:
+        """The data-parallel reducer of :attr:`buffer` (laid out as there)."""
+        self._lay_out_deferred()
+        return self._reducer
+
+    def _lay_out_deferred(self) -> None:
+        if self._deferred is not None:
+            self.use_buffer(GradBuffer(self._deferred))  # copies any gradient accumulated so far
+
+    def _drop_reducer(self) -> None:
+        if self._reducer is not None:
+            self._reducer.remove_hooks()
+        self._reducer = None
 
     def run_micro_batches(self, model, micro_batches, scales, autocast=contextlib.nullcontext, timer=None) -> list:
         """A step's micro-batches, forward and backward each in order (loss times its scale, the last backward
@@ -113,7 +145,9 @@ class ParallelRuntime:
         return plain_forward_losses(model, micro_batches, autocast)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """One micro-batch's backward (the DeepSpeed runtime routes it through its engine)."""
+        """One micro-batch's backward into the gradient buffer (the DeepSpeed runtime routes it through its
+        engine)."""
+        self._lay_out_deferred()
         loss.backward()
 
     def overlap_next_backward(self) -> None:
@@ -198,9 +232,8 @@ class ParallelRuntime:
         """End of the job: drop every reference this runtime holds to a process group (its layout keeps the rank
         facts only), then tear the groups down (see destroy_layout). The caller frees the model and optimizer
         first: tensor-parallel layers and distributed optimizers hold groups too."""
-        if self.reducer is not None:
-            self.reducer.remove_hooks()
-        self.model = self.buffer = self.reducer = self._parts = None
+        self._drop_reducer()
+        self.model = self._buffer = self._deferred = self._parts = None
         self.tp_info = TensorParallelInfo()
         self.layout = self.layout.without_groups()
         destroy_layout()
