@@ -6,7 +6,13 @@ eager single-process build's, every other one is still on the meta device (alloc
 hold every parameter and share only the tied embedding. With hand-made tensor-parallel shard specs on top, a stage
 holds exactly the shards of its own parameters. stage_parameter_names equals, for every case of the ring stage test
 (parcae, RDM and GPT at pp 2 and 4), the owner sets that test checks against each rank's nonzero gradients under the
-ring executor, so the names are the parameters the stage program actually uses."""
+ring executor, so the names are the parameters the stage program actually uses.
+
+The trainer's own build (build_model_and_optimizer with make_runtime's runtime) on 4 processes under pp2 x tp2 (fp64
+and fp32), pp2 x dp2 and pp4 (fp64): every rank holds exactly its stage's parameters (stage_parameter_names), none of
+them on meta and nothing else allocated, and its parameters gathered over tp are bit-identical to a single-process
+eager build with the same seed; the stages together hold every parameter, the tied embedding on the first and last.
+benchmarks/build_layouts.py runs the whole matrix (pp2 and pp2 x tp2 x dp2 too, on 1 and 2 threads)."""
 from __future__ import annotations
 
 import pytest
@@ -17,7 +23,9 @@ from megaloop.model import build_model
 from megaloop.model.stages import stage_parameter_names
 from megaloop.train.build import held_parameters
 from pipeline.tensor_parallel import ShardSpec, TensorParallelInfo, shard_tensor
+from tests.pipeline.spawn import spawn
 from tests.pipeline.test_ring_looped import CASES, expected_owners
+from tests.pipeline.workers_build import build_worker
 from tests.pipeline.workers_ring import TINY, build
 
 SEED = 5
@@ -109,3 +117,48 @@ def test_stage_names_and_held_parameters_refuse_bad_input():
         stage_parameter_names(model, 0, 5)
     with pytest.raises(ValueError, match="not parameters of this model: \\['core.9.mlp.fc.weight'\\]"):
         held_parameters(cfg, SEED, torch.device("cpu"), names=["core.9.mlp.fc.weight"])(model, TensorParallelInfo())
+
+
+TRAINER_LAYOUTS = {"pp2xtp2 fp64": (2, 2, "fp64"), "pp2xtp2 fp32": (2, 2, "fp32"), "pp2xdp2 fp64": (2, 1, "fp64"),
+                   "pp4 fp64": (4, 1, "fp64")}
+
+
+def trainer_overrides(pp: int, tp: int, precision: str) -> list[str]:
+    """parcae-tiny with 4 core blocks, vocabulary 512, on 4 processes (dp = 4 / (pp x tp)); 4 rows a step in
+    micro-batches of 1, enough for pp 4."""
+    return ["model.n_core=4", "model.vocab_size=512", "model.seq_len=32", f"train.seed={SEED}",
+            f"train.precision={precision}", f"parallel.pp={pp}", f"parallel.tp={tp}", "data.micro_batch_size=1",
+            "data.global_batch_size=4"]
+
+
+def check_trainer_build(label: str, reports: list[dict], eager: dict, stage_names: list[list[str]]) -> None:
+    """Every rank's report (rank order) against the eager build and the stage names; see the module docstring."""
+    holders: dict[str, int] = {}
+    for rank, r in enumerate(reports):
+        expected = stage_names[r["stage"]]
+        equal = sum(torch.equal(r["full"][n], eager[n]) for n in r["held"])
+        print(f"{label} rank {rank} (stage {r['stage']}, tp rank {r['tp_rank']}, dp rank {r['dp_rank']}): holds "
+              f"{len(r['held'])} parameters, {len(expected)} expected; {equal} bit-identical to the eager build "
+              f"(gathered over tp); allocated {len(r['allocated'])} of {len(eager)}")
+        assert len(r["held"]) == len(set(r["held"])) and sorted(r["held"]) == sorted(expected), (label, rank)
+        assert sorted(r["allocated"]) == sorted(expected), (label, rank)
+        assert equal == len(expected), (label, rank)
+        for n in r["held"]:
+            holders[n] = holders.get(n, 0) + 1
+    per_stage = len(reports) // reports[0]["pp"]  # ranks holding one stage (tp x dp)
+    assert set(holders) == set(eager), label
+    assert {n for n, count in holders.items() if count != per_stage} == {"embed.weight"}, label
+    assert holders["embed.weight"] == 2 * per_stage, label
+
+
+@pytest.mark.multiproc
+def test_trainer_build_holds_its_stage_bit_identical_to_the_eager_build(tmp_path):
+    runs = {label: trainer_overrides(pp, tp, precision) for label, (pp, tp, precision) in TRAINER_LAYOUTS.items()}
+    spawn(build_worker, 4, str(TINY), runs, str(tmp_path / "build"))
+    reports = [torch.load(f"{tmp_path / 'build'}.{rank}") for rank in range(4)]
+    cfg = load_config(TINY, runs["pp4 fp64"]).model
+    meta = build_model(cfg, device="meta")
+    for label, (pp, _, precision) in TRAINER_LAYOUTS.items():
+        eager = dict(build_model(cfg, seed=SEED).to(DTYPES[precision]).named_parameters())
+        stage_names = [stage_parameter_names(meta, stage, pp) for stage in range(pp)]
+        check_trainer_build(label, [r[label] for r in reports], eager, stage_names)
