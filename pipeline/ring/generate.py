@@ -32,10 +32,10 @@ from __future__ import annotations
 import operator
 from typing import Sequence
 
-from pipeline.ring.actions import Action, Compute, MicroBatch, ScheduleError, chain, rank_of
+from pipeline.ring.actions import Action, Compute, MicroBatch, ScheduleError
 from pipeline.ring.costs import CostModel
-from pipeline.ring.list_scheduler import RULES, ListScheduler, chain_tail
-from pipeline.ring.p2p import with_p2p
+from pipeline.ring.list_scheduler import RULES, Chains, ListScheduler
+from pipeline.ring.p2p import add_p2p
 
 
 def ring_schedule(specs: Sequence[MicroBatch], pp: int, max_in_flight: int, max_open: int | None = None,
@@ -44,27 +44,36 @@ def ring_schedule(specs: Sequence[MicroBatch], pp: int, max_in_flight: int, max_
     at most `max_in_flight` micro-batches hold lap activations on any rank, at most `max_open` (default
     2 * max_in_flight) are between their Embed and EmbedBackward. `restarts` extra plans with seeded jitter are
     tried while no plan reaches `lower_bound`."""
-    return with_p2p(ring_orders(specs, pp, max_in_flight, max_open, costs, restarts), specs)
+    plan = _best_plan(specs, pp, max_in_flight, max_open, costs, restarts)
+    return add_p2p(plan.orders, plan.positions, plan.c.actions, plan.c.ranks)
 
 
 def ring_orders(specs: Sequence[MicroBatch], pp: int, max_in_flight: int, max_open: int | None = None,
                 costs: CostModel = CostModel(), restarts: int = 0) -> list[list[Compute]]:
     """The per-rank orders of compute actions (see `ring_schedule`)."""
+    return _best_plan(specs, pp, max_in_flight, max_open, costs, restarts).orders
+
+
+def _best_plan(specs: Sequence[MicroBatch], pp: int, max_in_flight: int, max_open: int | None, costs: CostModel,
+               restarts: int) -> ListScheduler:
+    """The run scheduler of the shortest plan over the settings (see the module docstring)."""
     pp, max_in_flight = operator.index(pp), operator.index(max_in_flight)
     max_open = 2 * max_in_flight if max_open is None else operator.index(max_open)
     if pp < 1 or not 1 <= max_in_flight <= max_open:
         raise ScheduleError(f"need pp >= 1 and 1 <= max_in_flight <= max_open, got pp={pp}, "
                             f"max_in_flight={max_in_flight}, max_open={max_open}")
     specs = list(specs)
-    bound = lower_bound(specs, pp, costs)
+    chains = Chains(specs, pp, costs)
+    bound = _lower_bound(chains)
     caps = sorted({max_in_flight, max_open})
     settings = [(rule, first, cap, 0.0, 0) for rule in RULES for first in (True, False) for cap in caps]
     settings += [("slack-coupled", True, cap, costs.forward, seed) for seed in range(1, restarts + 1) for cap in caps]
-    best: tuple[float, list[list[Compute]]] | None = None
+    best: tuple[float, ListScheduler] | None = None
     for rule, longest_first, cap, jitter, seed in settings:
-        plan = ListScheduler(specs, pp, max_in_flight, cap, costs, rule, longest_first, jitter, seed).run()
-        if best is None or plan[0] < best[0]:
-            best = plan
+        scheduler = ListScheduler(specs, pp, max_in_flight, cap, costs, rule, longest_first, jitter, seed, chains)
+        makespan, _ = scheduler.run()
+        if best is None or makespan < best[0]:
+            best = makespan, scheduler
         if best[0] <= bound + 1e-9:
             break
     return best[1]
@@ -74,21 +83,23 @@ def lower_bound(specs: Sequence[MicroBatch], pp: int, costs: CostModel = CostMod
     """A makespan no ring schedule of `specs` can beat: the longest chain; for each rank its work plus the least
     time before its first action (chain prefixes on other ranks) and after its last one; and, since a micro-batch
     is on one rank at a time, all work over min(micro-batches, pp)."""
-    chains = [chain(mb, spec, pp) for mb, spec in enumerate(specs)]
-    if not chains:
+    return _lower_bound(Chains(specs, pp, costs))
+
+
+def _lower_bound(chains: Chains) -> float:
+    if not chains.actions:
         return 0.0
-    work, head, foot = [0.0] * pp, [float("inf")] * pp, [float("inf")] * pp
+    pp = chains.pp
+    head, foot = [float("inf")] * pp, [float("inf")] * pp
     longest = 0.0
-    for actions in chains:
-        durations = [costs.of(a, specs) for a in actions]
-        tail = chain_tail(actions, durations, pp, costs.latency)
+    for ranks, durations, tail in zip(chains.ranks, chains.durations, chains.tails):
         longest = max(longest, tail[0])
-        ranks = [rank_of(a, pp) for a in actions]
+        first, last = {}, {}
+        for i, rank in enumerate(ranks):
+            first.setdefault(rank, i)
+            last[rank] = i
         for rank in range(pp):
-            first, last = ranks.index(rank), len(ranks) - 1 - ranks[::-1].index(rank)
-            head[rank] = min(head[rank], tail[0] - tail[first])
-            foot[rank] = min(foot[rank], tail[last] - durations[last])
-        for rank, duration in zip(ranks, durations):
-            work[rank] += duration
-    spread = sum(work) / min(len(chains), pp)
-    return max([longest, spread] + [h + w + f for h, w, f in zip(head, work, foot)])
+            head[rank] = min(head[rank], tail[0] - tail[first[rank]])
+            foot[rank] = min(foot[rank], tail[last[rank]] - durations[last[rank]])
+    spread = sum(chains.work) / min(len(chains.actions), pp)
+    return max([longest, spread] + [h + w + f for h, w, f in zip(head, chains.work, foot)])

@@ -10,121 +10,197 @@ of the actions whose inputs are there (it never idles while one is), chosen by i
   slot will be ready to enter.
 
 `jitter` > 0 adds a seeded random amount in [0, jitter) to the latest starts, for restarts that explore other ties.
+
+The generator runs in the trainer every optimizer step, so a placement costs little: each rank keeps the open
+micro-batches whose next action it runs and the earliest time one of them is ready (updated only for the two
+ranks a placement touches), a lone ready action is taken without ranking, and latest starts are computed only
+for the ready micro-batches, the slot estimate stopping once it has them.
 """
 from __future__ import annotations
 
 import heapq
 import random
+from typing import Sequence
 
 from pipeline.ring.actions import Compute, MicroBatch, chain, rank_of
 from pipeline.ring.costs import CostModel
 
 RULES = ("slack-coupled", "slack", "critical-path")
+_NEVER = float("inf")
 
 
 def chain_tail(actions: list[Compute], durations: list[float], pp: int, latency: float) -> list[float]:
     """tail[i]: the time from the start of action i of a chain to the chain's end (latencies included)."""
-    tail = [0.0] * (len(actions) + 1)
-    for i in reversed(range(len(actions))):
-        hop = latency if i + 1 < len(actions) and rank_of(actions[i + 1], pp) != rank_of(actions[i], pp) else 0.0
-        tail[i] = durations[i] + hop + tail[i + 1]
+    ranks = [rank_of(a, pp) for a in actions]
+    return _tail(durations, _hops(ranks, latency))
+
+
+def _hops(ranks: list[int], latency: float) -> list[float]:
+    """hop[i]: the latency between chain actions i and i + 1 (none on one rank, or after the last action)."""
+    return [latency if here != there else 0.0 for here, there in zip(ranks, ranks[1:])] + [0.0]
+
+
+def _tail(durations: list[float], hops: list[float]) -> list[float]:
+    tail = [0.0] * (len(durations) + 1)
+    for i in reversed(range(len(durations))):
+        tail[i] = durations[i] + hops[i] + tail[i + 1]
     return tail
 
 
+class Chains:
+    """The micro-batches' chains and what every plan reads of them, computed once per generator call: per action
+    its rank, duration and the latency before the next action (`hops`); per chain its `tails` (see `chain_tail`)
+    and the positions of its first Forward with autograd (`enter`) and its last Backward (`leave`, rank 0); per
+    rank the total `work`."""
+
+    def __init__(self, specs: Sequence[MicroBatch], pp: int, costs: CostModel):
+        specs = list(specs)
+        self.pp = pp
+        self.actions = [chain(mb, spec, pp) for mb, spec in enumerate(specs)]
+        self.ranks = [[rank_of(a, pp) for a in actions] for actions in self.actions]
+        self.durations = [[costs.of(a, specs) for a in actions] for actions in self.actions]
+        self.hops = [_hops(ranks, costs.latency) for ranks in self.ranks]
+        self.tails = [_tail(d, h) for d, h in zip(self.durations, self.hops)]
+        self.enter = [1 + pp * spec.first_grad_lap for spec in specs]
+        self.leave = [len(actions) - 2 for actions in self.actions]
+        self.work = [0.0] * pp
+        for ranks, durations in zip(self.ranks, self.durations):
+            for rank, duration in zip(ranks, durations):
+                self.work[rank] += duration
+
+
 class ListScheduler:
-    """Plans once; `run()` returns (makespan, per-rank compute orders)."""
+    """Plans once; `run()` returns (makespan, per-rank compute orders), and `positions` holds each ordered
+    action's (micro-batch, chain index). `chains` (of the same specs, pp and costs) saves preparing them again when
+    several plans are made."""
 
     def __init__(self, specs: list[MicroBatch], pp: int, max_in_flight: int, max_open: int, costs: CostModel,
-                 rule: str, longest_first: bool, jitter: float = 0.0, seed: int = 0):
-        self.pp, self.max_in_flight, self.max_open, self.costs, self.rule = pp, max_in_flight, max_open, costs, rule
+                 rule: str, longest_first: bool, jitter: float = 0.0, seed: int = 0, chains: Chains | None = None):
+        self.pp, self.max_in_flight, self.max_open, self.rule = pp, max_in_flight, max_open, rule
         self.jitter, self.rng = jitter, random.Random(seed)
-        self.chains = [chain(mb, spec, pp) for mb, spec in enumerate(specs)]
-        self.durations = [[costs.of(a, specs) for a in actions] for actions in self.chains]
-        self.tails = [chain_tail(a, d, pp, costs.latency) for a, d in zip(self.chains, self.durations)]
+        self.c = chains or Chains(specs, pp, costs)
+        self.tails = self.c.tails
+        self.to_leave_end = [tail[leave + 1] for tail, leave in zip(self.tails, self.c.leave)]
         self.waiting = list(range(len(specs)))
         if longest_first:
             self.waiting.sort(key=lambda mb: (-self.tails[mb][0], mb))
+        self.entered = 0  # waiting[entered:] have not started yet
         self.next = [0] * len(specs)
         self.ready = [0.0] * len(specs)
         self.free = [0.0] * pp
-        # chain positions of a micro-batch's first Forward with autograd and of its last Backward (rank 0)
-        self.enter = [1 + pp * spec.first_grad_lap for spec in specs]
-        self.leave = [len(actions) - 2 for actions in self.chains]
         self.open: set[int] = set()
         self.in_flight: set[int] = set()
         self.orders: list[list[Compute]] = [[] for _ in range(pp)]
-        self.remaining = [0.0] * pp
-        for actions, durations in zip(self.chains, self.durations):
-            for action, duration in zip(actions, durations):
-                self.remaining[rank_of(action, pp)] += duration
+        self.positions: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
+        self.remaining = list(self.c.work)
+        self.at: list[list[int]] = [[] for _ in range(pp)]  # open micro-batches whose next action runs there
+        self.soonest = [_NEVER] * pp  # per rank, when the first of its candidates is ready
+        self._update(0)
 
     def run(self) -> tuple[float, list[list[Compute]]]:
         """(makespan, per-rank orders) of the plan."""
+        free, soonest, ready = self.free, self.soonest, self.ready
         while True:
-            candidates = self._candidates()
-            if not candidates:
-                return max(self.free), self.orders
-            by_rank: dict[int, list[int]] = {}
-            for mb in candidates:
-                by_rank.setdefault(rank_of(self.chains[mb][self.next[mb]], self.pp), []).append(mb)
-            start, rank = min((max(self.free[r], min(self.ready[mb] for mb in mbs)), r) for r, mbs in by_rank.items())
-            ready = [mb for mb in by_rank[rank] if self.ready[mb] <= start]
-            self._place(self._choose(ready, start), rank, start)
+            start, rank = _NEVER, -1
+            for r in range(self.pp):
+                if soonest[r] != _NEVER:
+                    begin = free[r] if free[r] > soonest[r] else soonest[r]
+                    if begin < start:
+                        start, rank = begin, r
+            if rank < 0:
+                return max(free), self.orders
+            candidates = [mb for mb in self._candidates(rank) if ready[mb] <= start]
+            self._place(self._choose(candidates, start), rank, start)
 
-    def _candidates(self) -> list[int]:
+    def _candidates(self, rank: int) -> list[int]:
+        """The micro-batches that may start their next action on `rank`: open ones there (but not one that would
+        enter flight while the bound is reached), and on rank 0 the next waiting one while the open cap allows."""
+        if rank:
+            return self.at[rank]
         full = len(self.in_flight) >= self.max_in_flight
-        running = [mb for mb in self.open if not (full and self.next[mb] == self.enter[mb])]
-        if self.waiting and len(self.open) < self.max_open:
-            running.append(self.waiting[0])
-        return running
+        enter, nxt = self.c.enter, self.next
+        here = [mb for mb in self.at[0] if not (full and nxt[mb] == enter[mb])] if full else list(self.at[0])
+        if self.entered < len(self.waiting) and len(self.open) < self.max_open:
+            here.append(self.waiting[self.entered])
+        return here
+
+    def _update(self, rank: int) -> None:
+        here = self._candidates(rank)
+        self.soonest[rank] = min([self.ready[mb] for mb in here]) if here else _NEVER
 
     def _choose(self, ready: list[int], now: float) -> int:
         if self.rule == "critical-path":
-            return max(ready, key=lambda mb: (self.tails[mb][self.next[mb]], -mb))
-        latest = self._latest_starts(now)
-        jitter = {mb: self.jitter * self.rng.random() for mb in ready} if self.jitter else dict.fromkeys(ready, 0.0)
+            return ready[0] if len(ready) == 1 else max(ready, key=lambda mb: (self.tails[mb][self.next[mb]], -mb))
+        if self.jitter:
+            ready = [mb for mb in self.open if mb in ready] + [mb for mb in ready if mb not in self.open]
+            jitter = {mb: self.jitter * self.rng.random() for mb in ready}
+        if len(ready) == 1:
+            return ready[0]
+        latest = self._latest_starts(now, ready)
+        if not self.jitter:
+            return min(ready, key=lambda mb: (latest[mb], -self.tails[mb][self.next[mb]], mb))
         return min(ready, key=lambda mb: (latest[mb] + jitter[mb], -self.tails[mb][self.next[mb]], mb))
 
     def _to_leave(self, mb: int, i: int) -> float:
         """The time from the start of chain action i to the end of the micro-batch's last backward."""
-        return self.tails[mb][i] - self.tails[mb][self.leave[mb] + 1]
+        return self.tails[mb][i] - self.to_leave_end[mb]
 
-    def _latest_starts(self, now: float) -> dict[int, float]:
-        """The latest start of each micro-batch's next action that keeps the step as short as its remaining work:
-        in flight, the end the busiest rank's remaining work allows minus the chain's remaining time; not yet in
-        flight, the estimated time a slot frees for it (slots taken in order of progress) minus its remaining
-        no-autograd laps."""
+    def _latest_starts(self, now: float, wanted: list[int]) -> dict[int, float]:
+        """The latest start of the `wanted` micro-batches' next actions that keeps the step as short as its
+        remaining work: in flight, the end the busiest rank's remaining work allows minus the chain's remaining
+        time; not yet in flight, the estimated time a slot frees for it (slots taken in order of progress) minus
+        its remaining no-autograd laps. The estimate walks the micro-batches not in flight in that order and stops
+        once it has every wanted one and (slack-coupled) every slot a wanted micro-batch in flight holds."""
+        tails, nxt, enter, in_flight = self.tails, self.next, self.c.enter, self.in_flight
         end = now + max(self.remaining)
-        latest = {mb: end - self.tails[mb][self.next[mb]] for mb in self.in_flight}
-        slots = [(now, -1)] * (self.max_in_flight - len(self.in_flight))
-        slots += [(now + self._to_leave(mb, self.next[mb]), mb) for mb in self.in_flight]
+        latest = {mb: end - tails[mb][nxt[mb]] for mb in wanted if mb in in_flight}
+        missing = len(wanted) - len(latest)
+        coupled = self.rule == "slack-coupled"
+        owned = len(latest) if coupled else 0  # slots held by wanted micro-batches in flight, not yet taken
+        if not missing and not owned:
+            return latest
+        slots = [(now, -1)] * (self.max_in_flight - len(in_flight))
+        slots += [(now + self._to_leave(mb, nxt[mb]), mb) for mb in in_flight]
         heapq.heapify(slots)
-        queued = sorted((mb for mb in self.open if mb not in self.in_flight), key=lambda mb: -self.next[mb])
-        for mb in queued + self.waiting:
-            (enter_at, owner), i = heapq.heappop(slots), self.next[mb]
-            no_grad = self.tails[mb][i] - self.tails[mb][self.enter[mb]]
-            latest[mb] = enter_at - no_grad
-            if owner in self.in_flight and self.rule == "slack-coupled":
-                latest[owner] = min(latest[owner], now + no_grad - self._to_leave(owner, self.next[owner]))
-            heapq.heappush(slots, (max(enter_at, now + no_grad) + self._to_leave(mb, self.enter[mb]), -1))
+        queued = sorted((mb for mb in self.open if mb not in in_flight), key=lambda mb: -nxt[mb])
+        for mb in queued + self.waiting[self.entered:]:
+            (enter_at, owner), i = heapq.heappop(slots), nxt[mb]
+            no_grad = tails[mb][i] - tails[mb][enter[mb]]
+            if mb in wanted:
+                latest[mb] = enter_at - no_grad
+                missing -= 1
+            if coupled and owner in latest:
+                latest[owner] = min(latest[owner], now + no_grad - self._to_leave(owner, nxt[owner]))
+                owned -= 1
+            if not missing and not owned:
+                return latest
+            heapq.heappush(slots, (max(enter_at, now + no_grad) + self._to_leave(mb, enter[mb]), -1))
         return latest
 
     def _place(self, mb: int, rank: int, start: float) -> None:
-        if self.next[mb] == 0:
-            self.waiting.remove(mb)
-            self.open.add(mb)
         i = self.next[mb]
-        if i == self.enter[mb]:
+        if i == 0:
+            self.entered += 1
+            self.open.add(mb)
+        else:
+            self.at[rank].remove(mb)
+        if i == self.c.enter[mb]:
             self.in_flight.add(mb)
-        elif i == self.leave[mb]:
+        elif i == self.c.leave[mb]:
             self.in_flight.discard(mb)
-        end = start + self.durations[mb][i]
-        self.orders[rank].append(self.chains[mb][i])
-        self.remaining[rank] -= self.durations[mb][i]
+        duration = self.c.durations[mb][i]
+        end = start + duration
+        self.orders[rank].append(self.c.actions[mb][i])
+        self.positions[rank].append((mb, i))
+        self.remaining[rank] -= duration
         self.free[rank] = end
         self.next[mb] = i + 1
-        if i + 1 == len(self.chains[mb]):
+        if i + 1 == len(self.c.actions[mb]):
             self.open.discard(mb)
         else:
-            hop = self.costs.latency if rank_of(self.chains[mb][i + 1], self.pp) != rank else 0.0
-            self.ready[mb] = end + hop
+            self.ready[mb] = end + self.c.hops[mb][i]
+            there = self.c.ranks[mb][i + 1]
+            self.at[there].append(mb)
+            if there != rank:
+                self._update(there)
+        self._update(rank)
