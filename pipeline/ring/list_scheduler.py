@@ -94,21 +94,17 @@ class ListScheduler:
         self.positions: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
         self.remaining = list(self.c.work)
         self.at: list[list[int]] = [[] for _ in range(pp)]  # open micro-batches whose next action runs there
-        self.soonest = [_NEVER] * pp  # per rank, when the first of its candidates is ready
+        self.begin = [_NEVER] * pp  # per rank, when it can start its next action
         self._update(0)
 
     def run(self) -> tuple[float, list[list[Compute]]]:
         """(makespan, per-rank orders) of the plan."""
-        free, soonest, ready = self.free, self.soonest, self.ready
+        begin, ready = self.begin, self.ready
         while True:
-            start, rank = _NEVER, -1
-            for r in range(self.pp):
-                if soonest[r] != _NEVER:
-                    begin = free[r] if free[r] > soonest[r] else soonest[r]
-                    if begin < start:
-                        start, rank = begin, r
-            if rank < 0:
-                return max(free), self.orders
+            start = min(begin)
+            if start == _NEVER:
+                return max(self.free), self.orders
+            rank = begin.index(start)  # the lowest rank of those that can start soonest
             candidates = [mb for mb in self._candidates(rank) if ready[mb] <= start]
             self._place(self._choose(candidates, start), rank, start)
 
@@ -117,16 +113,19 @@ class ListScheduler:
         enter flight while the bound is reached), and on rank 0 the next waiting one while the open cap allows."""
         if rank:
             return self.at[rank]
-        full = len(self.in_flight) >= self.max_in_flight
-        enter, nxt = self.c.enter, self.next
-        here = [mb for mb in self.at[0] if not (full and nxt[mb] == enter[mb])] if full else list(self.at[0])
+        if len(self.in_flight) >= self.max_in_flight:
+            here = [mb for mb in self.at[0] if self.next[mb] != self.c.enter[mb]]
+        else:
+            here = list(self.at[0])
         if self.entered < len(self.waiting) and len(self.open) < self.max_open:
             here.append(self.waiting[self.entered])
         return here
 
     def _update(self, rank: int) -> None:
+        """The time `rank` can start its next action (never, without candidates)."""
         here = self._candidates(rank)
-        self.soonest[rank] = min([self.ready[mb] for mb in here]) if here else _NEVER
+        soonest = min([self.ready[mb] for mb in here]) if here else _NEVER
+        self.begin[rank] = soonest if soonest > self.free[rank] else self.free[rank]
 
     def _choose(self, ready: list[int], now: float) -> int:
         if self.rule == "critical-path":
@@ -151,7 +150,7 @@ class ListScheduler:
         time; not yet in flight, the estimated time a slot frees for it (slots taken in order of progress) minus
         its remaining no-autograd laps. The estimate walks the micro-batches not in flight in that order and stops
         once it has every wanted one and (slack-coupled) every slot a wanted micro-batch in flight holds."""
-        tails, nxt, enter, in_flight = self.tails, self.next, self.c.enter, self.in_flight
+        tails, nxt, enter, in_flight, to_end = self.tails, self.next, self.c.enter, self.in_flight, self.to_leave_end
         end = now + max(self.remaining)
         latest = {mb: end - tails[mb][nxt[mb]] for mb in wanted if mb in in_flight}
         missing = len(wanted) - len(latest)
@@ -160,7 +159,7 @@ class ListScheduler:
         if not missing and not owned:
             return latest
         slots = [(now, -1)] * (self.max_in_flight - len(in_flight))
-        slots += [(now + self._to_leave(mb, nxt[mb]), mb) for mb in in_flight]
+        slots += [(now + (tails[mb][nxt[mb]] - to_end[mb]), mb) for mb in in_flight]  # now + _to_leave
         heapq.heapify(slots)
         queued = sorted((mb for mb in self.open if mb not in in_flight), key=lambda mb: -nxt[mb])
         for mb in queued + self.waiting[self.entered:]:
