@@ -71,9 +71,9 @@ def _best_plan(specs: Sequence[MicroBatch], pp: int, max_in_flight: int, max_ope
     best: tuple[float, ListScheduler] | None = None
     for rule, longest_first, cap, jitter, seed in settings:
         scheduler = ListScheduler(specs, pp, max_in_flight, cap, costs, rule, longest_first, jitter, seed, chains)
-        makespan, _ = scheduler.run()
-        if best is None or makespan < best[0]:
-            best = makespan, scheduler
+        plan = scheduler.run(beat=float("inf") if best is None else best[0])  # None: it would not end sooner
+        if plan is not None and (best is None or plan[0] < best[0]):
+            best = plan[0], scheduler
         if best[0] <= bound + 1e-9:
             break
     return best[1]
@@ -89,17 +89,6 @@ def lower_bound(specs: Sequence[MicroBatch], pp: int, costs: CostModel = CostMod
 def _lower_bound(chains: Chains) -> float:
     if not chains.actions:
         return 0.0
-    pp = chains.pp
-    head, foot = [float("inf")] * pp, [float("inf")] * pp
-    longest = 0.0
-    for ranks, durations, tail in zip(chains.ranks, chains.durations, chains.tails):
-        longest = max(longest, tail[0])
-        first, last = {}, {}
-        for i, rank in enumerate(ranks):
-            first.setdefault(rank, i)
-            last[rank] = i
-        for rank in range(pp):
-            head[rank] = min(head[rank], tail[0] - tail[first[rank]])
-            foot[rank] = min(foot[rank], tail[last[rank]] - durations[last[rank]])
-    spread = sum(chains.work) / min(len(chains.actions), pp)
-    return max([longest, spread] + [h + w + f for h, w, f in zip(head, chains.work, foot)])
+    longest = max(tail[0] for tail in chains.tails)
+    spread = sum(chains.work) / min(len(chains.actions), chains.pp)
+    return max([longest, spread] + [h + w + f for h, w, f in zip(chains.head, chains.work, chains.foot)])

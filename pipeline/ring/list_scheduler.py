@@ -51,7 +51,8 @@ class Chains:
     """The micro-batches' chains and what every plan reads of them, computed once per generator call: per action
     its rank, duration and the latency before the next action (`hops`); per chain its `tails` (see `chain_tail`)
     and the positions of its first Forward with autograd (`enter`) and its last Backward (`leave`, rank 0); per
-    rank the total `work`."""
+    rank the total `work`, the least time any chain takes before its first action there (`head`) and after its
+    last one (`foot`)."""
 
     def __init__(self, specs: Sequence[MicroBatch], pp: int, costs: CostModel):
         specs = list(specs)
@@ -64,9 +65,16 @@ class Chains:
         self.enter = [1 + pp * spec.first_grad_lap for spec in specs]
         self.leave = [len(actions) - 2 for actions in self.actions]
         self.work = [0.0] * pp
-        for ranks, durations in zip(self.ranks, self.durations):
-            for rank, duration in zip(ranks, durations):
+        self.head, self.foot = [_NEVER] * pp, [_NEVER] * pp
+        for ranks, durations, tail in zip(self.ranks, self.durations, self.tails):
+            first, last = {}, {}
+            for i, (rank, duration) in enumerate(zip(ranks, durations)):
                 self.work[rank] += duration
+                first.setdefault(rank, i)
+                last[rank] = i
+            for rank in range(pp):
+                self.head[rank] = min(self.head[rank], tail[0] - tail[first[rank]])
+                self.foot[rank] = min(self.foot[rank], tail[last[rank]] - durations[last[rank]])
 
 
 class ListScheduler:
@@ -97,16 +105,23 @@ class ListScheduler:
         self.begin = [_NEVER] * pp  # per rank, when it can start its next action
         self._update(0)
 
-    def run(self) -> tuple[float, list[list[Compute]]]:
-        """(makespan, per-rank orders) of the plan."""
-        begin, ready = self.begin, self.ready
+    def run(self, beat: float = _NEVER) -> tuple[float, list[list[Compute]]] | None:
+        """(makespan, per-rank orders) of the plan; None, given `beat`, as soon as the plan cannot end before it:
+        a rank that is free at t with w of work left ends no sooner than t + w + its `foot` (the margin covers
+        rounding: a plan ending within 1e-9 of `beat` is not given up)."""
+        cutoff = beat * (1.0 + 1e-9) + 1e-9
+        free, remaining, foot, begin, ready = self.free, self.remaining, self.c.foot, self.begin, self.ready
+        if any(w + f > cutoff for w, f in zip(remaining, foot)):
+            return None
         while True:
             start = min(begin)
             if start == _NEVER:
-                return max(self.free), self.orders
+                return max(free), self.orders
             rank = begin.index(start)  # the lowest rank of those that can start soonest
             candidates = [mb for mb in self._candidates(rank) if ready[mb] <= start]
             self._place(self._choose(candidates, start), rank, start)
+            if free[rank] + remaining[rank] + foot[rank] > cutoff:
+                return None
 
     def _candidates(self, rank: int) -> list[int]:
         """The micro-batches that may start their next action on `rank`: open ones there (but not one that would
@@ -161,7 +176,8 @@ class ListScheduler:
         slots = [(now, -1)] * (self.max_in_flight - len(in_flight))
         slots += [(now + (tails[mb][nxt[mb]] - to_end[mb]), mb) for mb in in_flight]  # now + _to_leave
         heapq.heapify(slots)
-        queued = sorted((mb for mb in self.open if mb not in in_flight), key=lambda mb: -nxt[mb])
+        # most progress first; a stable sort, so ties stay in the open set's order (reverse keeps stability)
+        queued = sorted([mb for mb in self.open if mb not in in_flight], key=nxt.__getitem__, reverse=True)
         for mb in queued + self.waiting[self.entered:]:
             (enter_at, owner), i = heapq.heappop(slots), nxt[mb]
             no_grad = tails[mb][i] - tails[mb][enter[mb]]
