@@ -25,7 +25,7 @@ from megaloop.train.build import held_parameters
 from pipeline.tensor_parallel import ShardSpec, TensorParallelInfo, shard_tensor
 from tests.pipeline.spawn import spawn
 from tests.pipeline.test_ring_looped import CASES, expected_owners
-from tests.pipeline.workers_build import build_worker
+from tests.pipeline.workers_build import build_worker, holder_counts, rank_findings
 from tests.pipeline.workers_ring import TINY, build
 
 SEED = 5
@@ -133,18 +133,13 @@ def trainer_overrides(pp: int, tp: int, precision: str) -> list[str]:
 
 def check_trainer_build(label: str, reports: list[dict], eager: dict, stage_names: list[list[str]]) -> None:
     """Every rank's report (rank order) against the eager build and the stage names; see the module docstring."""
-    holders: dict[str, int] = {}
     for rank, r in enumerate(reports):
-        expected = stage_names[r["stage"]]
-        equal = sum(torch.equal(r["full"][n], eager[n]) for n in r["held"])
+        found = rank_findings(r, eager, stage_names[r["stage"]])
         print(f"{label} rank {rank} (stage {r['stage']}, tp rank {r['tp_rank']}, dp rank {r['dp_rank']}): holds "
-              f"{len(r['held'])} parameters, {len(expected)} expected; {equal} bit-identical to the eager build "
-              f"(gathered over tp); allocated {len(r['allocated'])} of {len(eager)}")
-        assert len(r["held"]) == len(set(r["held"])) and sorted(r["held"]) == sorted(expected), (label, rank)
-        assert sorted(r["allocated"]) == sorted(expected), (label, rank)
-        assert equal == len(expected), (label, rank)
-        for n in r["held"]:
-            holders[n] = holders.get(n, 0) + 1
+              f"{found['held']} parameters, its stage's names {found['names']}, nothing else allocated "
+              f"{found['only_held']}; {found['equal']} bit-identical to the eager build (gathered over tp)")
+        assert found["names"] and found["only_held"] and found["equal"] == found["held"], (label, rank)
+    holders = holder_counts(reports)
     per_stage = len(reports) // reports[0]["pp"]  # ranks holding one stage (tp x dp)
     assert set(holders) == set(eager), label
     assert {n for n, count in holders.items() if count != per_stage} == {"embed.weight"}, label

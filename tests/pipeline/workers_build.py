@@ -30,7 +30,28 @@ def build_report(config_path: str, overrides: list[str]) -> dict:
     return report
 
 
-def build_worker(rank: int, world: int, config_path: str, runs: dict, out_path: str) -> None:
-    """runs: {label: overrides}; saves {label: report} of this rank to f"{out_path}.{rank}"."""
+def build_worker(rank: int, world: int, config_path: str, runs: dict, out_path: str, threads: int = 1) -> None:
+    """runs: {label: overrides}; saves {label: report} of this rank to f"{out_path}.{rank}". torch runs on `threads`
+    threads."""
+    torch.set_num_threads(threads)
     torch.save({label: build_report(config_path, overrides) for label, overrides in runs.items()},
                f"{out_path}.{rank}")
+
+
+def rank_findings(report: dict, eager: dict, expected: list[str]) -> dict:
+    """One rank's report against the eager single-process build and its stage's names: whether it holds exactly those
+    names (once each), whether nothing else of its model is allocated, and how many held values equal the eager
+    build's bit for bit."""
+    held = report["held"]
+    return {"names": len(held) == len(set(held)) and sorted(held) == sorted(expected),
+            "only_held": sorted(report["allocated"]) == sorted(expected),
+            "equal": sum(torch.equal(report["full"][n], eager[n]) for n in held), "held": len(held)}
+
+
+def holder_counts(reports: list[dict]) -> dict[str, int]:
+    """How many ranks hold each parameter name."""
+    counts: dict[str, int] = {}
+    for r in reports:
+        for n in r["held"]:
+            counts[n] = counts.get(n, 0) + 1
+    return counts
