@@ -70,6 +70,7 @@ LAPS = [(6, 2), (3, 2), (8, 3), (5, 2)]  # (laps, laps with autograd) of each mi
 SPECS = [MicroBatch(laps, kept) for laps, kept in LAPS]
 PING_SIZES = (0.0, 0.125, 0.25, 0.5, 1.0)  # ping-pong message sizes, fractions of the run's message
 PING_REPS = 21
+SLOW = 0.002  # a message this much later than the delay model predicts counts as a late wake-up
 
 
 def kind(action) -> str:
@@ -192,8 +193,9 @@ def worker(rank, pp, args, out):
 def action_costs(timings: list, posts: list) -> tuple[list, float]:
     """(each compute action's (action, cost), the rank's total wait): an action is charged from its start to the
     next action's start (the last: to the end of its rank's last batch), less the waits for receives (posted to
-    done of each batch_isend_irecv) in between."""
-    costs, waited, j = [], 0.0, 0
+    done of each batch_isend_irecv) in between. Batches before the first action (waiting for its input) are idle."""
+    costs, waited = [], 0.0
+    j = bisect.bisect_left([t for t, _, _ in posts], timings[0][1]) if timings else 0
     for i, (action, start, end) in enumerate(timings):
         stop = timings[i + 1][1] if i + 1 < len(timings) else max([end] + [done for _, _, done in posts[j:]])
         wait = 0.0
@@ -205,9 +207,9 @@ def action_costs(timings: list, posts: list) -> tuple[list, float]:
     return costs, waited
 
 
-def predicted_waits(step: list, rank: int, pp: int, specs, costs: CostModel) -> float:
-    """The wait for receives the cost model's delay predicts for `rank` given the measured posting times: per
-    batch, the latest of its messages' max(sender's posting, this rank's posting) + delay, less its posting."""
+def receiving_batches(step: list, rank: int, pp: int, specs, costs: CostModel) -> list[tuple[float, float, float]]:
+    """Per batch_isend_irecv of `rank` with receives: (posted, done, the arrival the cost model predicts from the
+    measured posting times, i.e. the latest of its messages' max(sender's posting, this rank's posting) + delay)."""
     posts = step[rank][3]
     starts = [p[0] for p in posts]
     latest: dict[int, float] = {}
@@ -218,8 +220,18 @@ def predicted_waits(step: list, rank: int, pp: int, specs, costs: CostModel) -> 
         end = next(t1 for action, _, t1 in sender[2] if action == producer)
         sent = sender[3][bisect.bisect_left([p[0] for p in sender[3]], end)][1]
         arrival = max(sent, posts[index][1]) + costs.delay(message, specs)
-        latest[index] = max(latest.get(index, 0.0), arrival - posts[index][1])
-    return sum(latest.values())
+        latest[index] = max(latest.get(index, -math.inf), arrival)
+    return [(posts[i][1], posts[i][2], arrival) for i, arrival in sorted(latest.items())]
+
+
+def predicted_waits(batches: list) -> float:
+    """The waits for receives the cost model predicts from the measured posting times."""
+    return sum(max(0.0, arrival - posted) for posted, _, arrival in batches)
+
+
+def late_arrivals(batches: list) -> list[float]:
+    """How much later than predicted each batch that waited completed."""
+    return [done - arrival for posted, done, arrival in batches if arrival > posted]
 
 
 def fit_delay(pings: list) -> tuple[float, float]:
@@ -285,20 +297,27 @@ def compare(ranks: list, schedule: list, pp: int) -> None:
           ", ".join(f"{n / 1024:.0f} KiB {t * 1e3:.3f} ms" for n, t in pings) +
           f"; fit {a * 1e3:.3f} ms + {b * 1e9:.3f} ms/MB; the run's messages {message_bytes / 1024:.0f} KiB")
     steps = [[r[0][s] for r in ranks] for s in range(len(ranks[0][0]))]
-    measured, simulated = [], defaultdict(list)
+    measured, simulated, late = [], defaultdict(list), []
     for s, step in enumerate(steps):
         got = measure(step)
         pooled, ranked = cost_models(got["costs"], specs, pp, a, b, message_bytes)
         for name, model in VARIANTS.items():
             simulated[name].append(simulate(schedule, specs, model(pooled, ranked, got["costs"])))
         measured.append(got)
+        batches = [receiving_batches(step, r, pp, specs, pooled) for r in range(pp)]
+        late += [x for per_rank in batches for x in late_arrivals(per_rank)]
         sim = simulated[next(iter(simulated))][-1]
         print(f"step {s}: makespan {got['makespan'] * 1e3:.1f} ms (simulated {sim.makespan * 1e3:.1f}); per rank: "
               f"busy {ms(got['busy'])} ms (simulated {ms(sim.busy)}; compute alone {ms(got['compute'])}, posting "
               f"{ms(got['posting'])}), waits {ms(got['waits'])} ms (the delay model on the measured posting times "
-              f"{ms(predicted_waits(step, r, pp, specs, pooled) for r in range(pp))}); idle "
+              f"{ms(predicted_waits(per_rank) for per_rank in batches)}); idle "
               f"{fractions(got['idle'])} (simulated {fractions(sim.idle_fractions)})")
     print_costs(steps, measured)
+    slow = [x for x in late if x > SLOW]
+    print(f"batches that waited completed later than the delay model predicts by (ms): median "
+          f"{statistics.median(late) * 1e3:.3f}, quartiles {ms(statistics.quantiles(late, n=4)[::2])}; "
+          f"{len(slow)} of {len(late)} more than {SLOW * 1e3:.0f} ms late, by {sum(slow) / len(steps) * 1e3:.1f} ms "
+          f"per step in all")
     for i, (name, sims) in enumerate(simulated.items()):
         print(f"simulated with the {name}:" if i == 0 else f"with the {name}:")
         for rank in range(pp):
