@@ -37,46 +37,64 @@ from pipeline.ring.costs import CostModel
 from pipeline.ring.list_scheduler import RULES, Chains, ListScheduler
 from pipeline.ring.p2p import add_p2p
 
+TOLERANCE = 0.0025  # the search stops at a plan within this fraction of lower_bound (see the module docstring)
+
 
 def ring_schedule(specs: Sequence[MicroBatch], pp: int, max_in_flight: int, max_open: int | None = None,
-                  costs: CostModel = CostModel(), restarts: int = 0) -> list[list[Action]]:
+                  costs: CostModel = CostModel(), restarts: int = 0,
+                  tolerance: float = TOLERANCE) -> list[list[Action]]:
     """Per-rank action lists (Sends and Recvs included) for the micro-batches `specs` on a ring of `pp` ranks:
     at most `max_in_flight` micro-batches hold lap activations on any rank, at most `max_open` (default
     2 * max_in_flight) are between their Embed and EmbedBackward. `restarts` extra plans with seeded jitter are
-    tried while no plan reaches `lower_bound`."""
-    plan = _best_plan(specs, pp, max_in_flight, max_open, costs, restarts)
+    tried while no plan is within `tolerance` (a fraction; 0: only at) of `lower_bound`, where the search stops."""
+    plan = _best_plan(specs, pp, max_in_flight, max_open, costs, restarts, tolerance)
     return add_p2p(plan.orders, plan.positions, plan.c.actions, plan.c.ranks)
 
 
 def ring_orders(specs: Sequence[MicroBatch], pp: int, max_in_flight: int, max_open: int | None = None,
-                costs: CostModel = CostModel(), restarts: int = 0) -> list[list[Compute]]:
+                costs: CostModel = CostModel(), restarts: int = 0,
+                tolerance: float = TOLERANCE) -> list[list[Compute]]:
     """The per-rank orders of compute actions (see `ring_schedule`)."""
-    return _best_plan(specs, pp, max_in_flight, max_open, costs, restarts).orders
+    return _best_plan(specs, pp, max_in_flight, max_open, costs, restarts, tolerance).orders
 
 
 def _best_plan(specs: Sequence[MicroBatch], pp: int, max_in_flight: int, max_open: int | None, costs: CostModel,
-               restarts: int) -> ListScheduler:
+               restarts: int, tolerance: float) -> ListScheduler:
     """The run scheduler of the shortest plan over the settings (see the module docstring)."""
     pp, max_in_flight = operator.index(pp), operator.index(max_in_flight)
     max_open = 2 * max_in_flight if max_open is None else operator.index(max_open)
     if pp < 1 or not 1 <= max_in_flight <= max_open:
         raise ScheduleError(f"need pp >= 1 and 1 <= max_in_flight <= max_open, got pp={pp}, "
                             f"max_in_flight={max_in_flight}, max_open={max_open}")
+    if not tolerance >= 0.0:
+        raise ScheduleError(f"tolerance is a fraction of the lower bound, >= 0 (0: stop only at it), got {tolerance}")
     specs = list(specs)
     chains = Chains(specs, pp, costs)
-    bound = _lower_bound(chains)
-    caps = sorted({max_in_flight, max_open})
-    settings = [(rule, first, cap, 0.0, 0) for rule in RULES for first in (True, False) for cap in caps]
-    settings += [("slack-coupled", True, cap, costs.forward, seed) for seed in range(1, restarts + 1) for cap in caps]
+    good_enough = _lower_bound(chains) * (1.0 + tolerance) + 1e-9
+    settings = _settings(chains, max_in_flight, max_open, costs, restarts)
     best: tuple[float, ListScheduler] | None = None
     for rule, longest_first, cap, jitter, seed in settings:
         scheduler = ListScheduler(specs, pp, max_in_flight, cap, costs, rule, longest_first, jitter, seed, chains)
         plan = scheduler.run(beat=float("inf") if best is None else best[0])  # None: it would not end sooner
         if plan is not None and (best is None or plan[0] < best[0]):
             best = plan[0], scheduler
-        if best[0] <= bound + 1e-9:
+        if best[0] <= good_enough:
             break
     return best[1]
+
+
+def _settings(chains: Chains, max_in_flight: int, max_open: int, costs: CostModel, restarts: int) -> list[tuple]:
+    """(rule, longest_first, open cap, jitter, seed) of each plan to try, in order; a setting that would repeat
+    an earlier plan is left out: an open cap of m or more never binds, and micro-batches already longest first
+    enter in the same order either way."""
+    m = len(chains.actions)
+    # the looser open cap first: its plan is usually the shorter one
+    caps = sorted({max(1, min(cap, m)) for cap in (max_in_flight, max_open)}, reverse=True)
+    longest = sorted(range(m), key=lambda mb: (-chains.tails[mb][0], mb))
+    orders = (True,) if longest == list(range(m)) else (True, False)
+    settings = [(rule, first, cap, 0.0, 0) for rule in RULES for first in orders for cap in caps]
+    return settings + [("slack-coupled", True, cap, costs.forward, seed) for seed in range(1, restarts + 1)
+                       for cap in caps]
 
 
 def lower_bound(specs: Sequence[MicroBatch], pp: int, costs: CostModel = CostModel()) -> float:

@@ -89,6 +89,7 @@ class ListScheduler:
         self.c = chains or Chains(specs, pp, costs)
         self.tails = self.c.tails
         self.to_leave_end = [tail[leave + 1] for tail, leave in zip(self.tails, self.c.leave)]
+        self.in_flight_for = [self._to_leave(mb, enter) for mb, enter in enumerate(self.c.enter)]
         self.waiting = list(range(len(specs)))
         if longest_first:
             self.waiting.sort(key=lambda mb: (-self.tails[mb][0], mb))
@@ -156,7 +157,8 @@ class ListScheduler:
         return min(ready, key=lambda mb: (latest[mb] + jitter[mb], -self.tails[mb][self.next[mb]], mb))
 
     def _to_leave(self, mb: int, i: int) -> float:
-        """The time from the start of chain action i to the end of the micro-batch's last backward."""
+        """The time from the start of chain action i to the end of the micro-batch's last backward (from the
+        start of flight: `in_flight_for[mb]`)."""
         return self.tails[mb][i] - self.to_leave_end[mb]
 
     def _latest_starts(self, now: float, wanted: list[int]) -> dict[int, float]:
@@ -166,6 +168,7 @@ class ListScheduler:
         its remaining no-autograd laps. The estimate walks the micro-batches not in flight in that order and stops
         once it has every wanted one and (slack-coupled) every slot a wanted micro-batch in flight holds."""
         tails, nxt, enter, in_flight, to_end = self.tails, self.next, self.c.enter, self.in_flight, self.to_leave_end
+        in_flight_for = self.in_flight_for
         end = now + max(self.remaining)
         latest = {mb: end - tails[mb][nxt[mb]] for mb in wanted if mb in in_flight}
         missing = len(wanted) - len(latest)
@@ -185,11 +188,11 @@ class ListScheduler:
                 latest[mb] = enter_at - no_grad
                 missing -= 1
             if coupled and owner in latest:
-                latest[owner] = min(latest[owner], now + no_grad - self._to_leave(owner, nxt[owner]))
+                latest[owner] = min(latest[owner], now + no_grad - (tails[owner][nxt[owner]] - to_end[owner]))
                 owned -= 1
             if not missing and not owned:
                 return latest
-            heapq.heappush(slots, (max(enter_at, now + no_grad) + self._to_leave(mb, enter[mb]), -1))
+            heapq.heappush(slots, (max(enter_at, now + no_grad) + in_flight_for[mb], -1))
         return latest
 
     def _place(self, mb: int, rank: int, start: float) -> None:
@@ -216,6 +219,10 @@ class ListScheduler:
             self.ready[mb] = end + self.c.hops[mb][i]
             there = self.c.ranks[mb][i + 1]
             self.at[there].append(mb)
-            if there != rank:
-                self._update(there)
+            if there == 0:
+                self._update(0)
+            elif there != rank:  # one more candidate there: it can start at the later of free and ready
+                begins = self.free[there] if self.free[there] > self.ready[mb] else self.ready[mb]
+                if begins < self.begin[there]:
+                    self.begin[there] = begins
         self._update(rank)

@@ -14,13 +14,16 @@ from pipeline.ring.costs import CostModel
 RULES = ("slack-coupled", "slack", "critical-path")
 
 
-def reference_schedule(specs, pp, max_in_flight, max_open=None, costs=None, restarts=0):
-    """The per-rank action lists, as pipeline.ring.ring_schedule with the same arguments."""
+def reference_schedule(specs, pp, max_in_flight, max_open=None, costs=None, restarts=0, tolerance=0.0,
+                       open_first=True):
+    """The per-rank action lists, as pipeline.ring.ring_schedule with the same arguments: every setting is
+    planned in full until one is within `tolerance` of the lower bound. `open_first`: plans with the open cap at
+    max_open before those at max_in_flight (as pipeline.ring); False: the other way round, as first written."""
     costs = CostModel() if costs is None else costs
     max_open = 2 * max_in_flight if max_open is None else max_open
     specs = list(specs)
-    bound = lower_bound(specs, pp, costs)
-    caps = sorted({max_in_flight, max_open})
+    bound = lower_bound(specs, pp, costs) * (1.0 + tolerance)
+    caps = sorted({max_in_flight, max_open}, reverse=open_first)
     settings = [(rule, first, cap, 0.0, 0) for rule in RULES for first in (True, False) for cap in caps]
     settings += [("slack-coupled", True, cap, costs.forward, seed) for seed in range(1, restarts + 1) for cap in caps]
     best = None
