@@ -28,7 +28,8 @@ class CostModel:
     the lap whose state or gradient it carries). It arrives that long after its Send, or, with `rendezvous`, after
     the later of its Send and its Recv's posting (gloo's point-to-point moves the payload only once the receiver
     has posted its buffer; the executor posts a run of Sends and Recvs together, at the end of the compute action
-    before it). The generator plans with `latency` alone; the other three (defaults: none) refine the simulation.
+    before it). The generator plans with `latency` alone; the other three (by default zero and off) refine the
+    simulation.
     """
 
     forward: float = 1.0
