@@ -271,3 +271,69 @@ def test_rendezvous_moves_a_message_only_once_its_recv_is_posted():
     assert eager.makespan == pytest.approx(11.0, abs=1e-12)
     assert rendezvous.makespan == pytest.approx(12.0, abs=1e-12)
     assert rendezvous.idle_fractions == pytest.approx([0.5, 0.5], abs=1e-12)
+
+
+def _mixed_cases() -> list[tuple]:
+    """Small (specs, pp, max_in_flight, max_open, costs, restarts) sets: sampled laps, ragged laps, latencies and
+    embedding / loss costs that are not binary fractions, open caps above and below m, restarts."""
+    rng = random.Random(11)
+    odd = CostModel(forward=1.0, backward=2.1, nograd_forward=0.9, embed=0.7, embed_backward=1.1, loss=1.3,
+                    loss_backward=0.6, latency=0.15)
+    cases = []
+    for i, (pp, m, mu_rec) in enumerate([(2, 5, 4), (3, 7, 4), (4, 8, 6), (4, 12, 4), (2, 9, 6), (3, 4, 8)]):
+        specs = random_specs(m, mu_rec, seed=i)
+        if i % 2:
+            specs = [MicroBatch(s.laps, s.grad_laps, tuple(rng.choice((0.25, 0.5, 1.0)) for _ in range(s.laps)))
+                     for s in specs]
+        bound = rng.choice((1, 2, pp))
+        cases.append((specs, pp, bound, None if i % 3 else 3 * bound, odd if i % 2 else UNIFORM, i % 3 == 2))
+    return cases
+
+
+@pytest.mark.parametrize("tolerance", [0.0, 0.0025, 0.05])
+def test_generator_gives_the_action_lists_of_the_straightforward_reference(tolerance):
+    """The optimised generator (candidates kept per rank, latest starts only for the ready micro-batches, plans
+    given up once they cannot win, p2p by chain position) gives the very lists of the reference that rescans and
+    recomputes everything (tests/pipeline/ring_reference.py) under the same settings."""
+    from tests.pipeline.ring_reference import reference_schedule
+
+    for specs, pp, bound, max_open, costs, restarts in _mixed_cases():
+        expected = reference_schedule(specs, pp, bound, max_open, costs, restarts, tolerance)
+        assert ring_schedule(specs, pp, bound, max_open, costs, restarts, tolerance) == expected
+
+
+def test_open_cap_first_and_tolerance_keep_the_first_written_makespan_or_cost_at_most_the_tolerance():
+    """Planning with the looser open cap first picks among the same plans (or stops at the lower bound), so at
+    tolerance 0 the simulated makespan is the first-written generator's; a tolerance t may cost at most t."""
+    from tests.pipeline.ring_reference import reference_schedule
+
+    for specs, pp, bound, max_open, costs, restarts in _mixed_cases():
+        open_cap = 2 * bound if max_open is None else max_open
+        first = reference_schedule(specs, pp, bound, max_open, costs, restarts, 0.0, open_first=False)
+        reference = simulate(first, specs, costs, bound, open_cap).makespan
+        for tolerance in (0.0, 0.01, 0.1):
+            schedule = ring_schedule(specs, pp, bound, max_open, costs, restarts, tolerance)
+            span = simulate(schedule, specs, costs, bound, open_cap).makespan
+            if tolerance == 0.0:
+                assert span == pytest.approx(reference, rel=1e-12)
+            assert span <= reference * (1.0 + tolerance) + 1e-9
+
+
+def test_a_plan_is_given_up_only_when_it_cannot_end_before_the_best():
+    """run(beat) gives up (None) a plan that ends at M when beat < M, and with beat > M returns the very plan of an
+    unbounded run."""
+    specs, costs = random_specs(8, 6, seed=3), CostModel(forward=1.0, backward=2.1, latency=0.15)
+    for rule in RULES:
+        makespan, orders = ListScheduler(specs, 4, 4, 8, costs, rule, True).run()
+        assert ListScheduler(specs, 4, 4, 8, costs, rule, True).run(beat=makespan - 0.5) is None
+        assert ListScheduler(specs, 4, 4, 8, costs, rule, True).run(beat=makespan + 0.5) == (makespan, orders)
+
+
+def test_a_large_tolerance_keeps_the_first_plan_and_a_negative_one_is_refused():
+    """Any plan is within a tolerance of 100 x the lower bound: the search keeps the first setting's plan
+    (slack-coupled, longest first, open cap max_open)."""
+    specs = random_specs(10, 6, seed=5)
+    _, orders = ListScheduler(specs, 3, 3, 6, UNIFORM, "slack-coupled", True).run()
+    assert ring_schedule(specs, 3, 3, 6, UNIFORM, tolerance=100.0) == with_p2p(orders, specs)
+    with pytest.raises(ScheduleError, match="tolerance"):
+        ring_schedule(specs, 3, 3, tolerance=-0.1)
