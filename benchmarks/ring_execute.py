@@ -1,8 +1,8 @@
 """The ring-pipeline executor's measured idle fraction per rank beside the simulator's prediction from measured costs.
 
 pp CPU processes (gloo, one thread each) run a looped model through the ring schedule of micro-batches of different
-lap counts: by default the toy of tests/pipeline/test_ring_execute.py, wider (`--model toy`), or parcae-tiny as
-`megaloop.model.stages.LoopedStageProgram` stages, one core block each (`--model parcae`). Before the steps, ranks 0
+lap counts: by default parcae-tiny as `megaloop.model.stages.LoopedStageProgram` stages, one core block each
+(`--model parcae`), or the toy of tests/pipeline/test_ring_execute.py, wider (`--model toy`). Before the steps, ranks 0
 and 1 bounce messages of 0 to 1 x the run's message size with the executor's batch_isend_irecv (a ping-pong); a
 least-squares line through the one-way times gives the message delay a + b x bytes.
 
@@ -37,24 +37,25 @@ send measured as how late waiting actions started; 17-36% apart in the runs belo
   measurement as the prediction: the costs are right, the rest is in those waits, which no per-message constant
   captures.
 
-Measured on the project's shared 2-core machine (pp 2, defaults, 7 steps, load average 0.5-0.8; medians):
-toy (1 MiB messages; ping-pong 0.071 ms + 0.197 ms/MB): idle rank 0 simulated 0.119, measured 0.152 (steps
-0.121-0.182), 22.2% apart, OUTSIDE 20%; rank 1 0.236 vs 0.264, 10.4%; all ranks 0.179 vs 0.204, 12.1% (as first
-compared 0.191 vs 0.249, 23.4%). With one mean per kind for both ranks: 0.130 vs 0.152 (14.9%) and 0.220 vs 0.264
-(16.7%). parcae-tiny (256 KiB messages): rank 0 0.370 vs 0.399, 7.2%; rank 1 0.186 vs 0.216, 14.0%; all ranks
-0.285 vs 0.313, 9.0% (as first compared 0.300 vs 0.361, 16.8%); one mean per kind misses its asymmetric ranks
-(rank 1: 0.158, 26.9%). In two runs under load (1-minute load 2.3-3.8) the toy's rank 0 came out 10-20% apart
-and rank 1 4-12%, the steps' own spread being as wide: the toy's rank 0, with the smallest idle, sits at the edge
-of the target.
+Measured on the project's shared 2-core machine (pp 2, 7 steps, load average 0.5-0.8; medians): parcae-tiny
+(256 KiB messages; ping-pong 0.069 ms + 0.200 ms/MB): idle rank 0 simulated 0.370, measured 0.399 (steps
+0.363-0.433), 7.2% apart; rank 1 0.186 vs 0.216 (steps 0.200-0.238), 14.0%; all ranks 0.285 vs 0.313, 9.0% (as
+first compared 0.300 vs 0.361, 16.8%); one mean per kind for both ranks misses their asymmetry (rank 1: 0.158,
+26.9%). The toy (1 MiB messages; 0.071 ms + 0.197 ms/MB): rank 0 0.119 vs 0.152 (steps 0.121-0.182), 22.2% apart,
+OUTSIDE 20%; rank 1 0.236 vs 0.264, 10.4%; all ranks 0.179 vs 0.204, 12.1% (as first compared 0.191 vs 0.249,
+23.4%); with one mean per kind 0.130 vs 0.152 (14.9%) and 0.220 vs 0.264 (16.7%). In two runs under load (1-minute
+load 2.3-3.8) the toy's rank 0 came out 10-20% apart and rank 1 4-12%. The toy's rank 0 has the smallest idle and
+the widest spread between steps (0.12-0.18): it sits at the edge of the target, which is why parcae-tiny, the
+real model and the steadier measurement, is the default.
 
 The toy computes B e once per micro-batch at Embed so that stage 0's laps cost what the others' do; parcae-tiny's
 stage 0 applies the injection in its laps (the per-rank costs take it in).
 
 Usage (from the repository root):
 
-    python benchmarks/ring_execute.py                  # toy, pp 2, 4 micro-batches, width 512, 7 measured steps
-    python benchmarks/ring_execute.py --model parcae   # parcae-tiny stages
-    python benchmarks/ring_execute.py --pp 4 --width 256
+    python benchmarks/ring_execute.py               # parcae-tiny stages, pp 2, 4 micro-batches, 7 measured steps
+    python benchmarks/ring_execute.py --model toy   # the toy, width 512
+    python benchmarks/ring_execute.py --model toy --pp 4 --width 256
 """
 from __future__ import annotations
 
@@ -390,7 +391,7 @@ def earlier(steps: list, schedule: list, specs, pp: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=("toy", "parcae"), default="toy")
+    parser.add_argument("--model", choices=("toy", "parcae"), default="parcae")
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--width", type=int, default=512, help="toy only")
