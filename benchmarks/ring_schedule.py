@@ -23,11 +23,23 @@ Usage (from the repository root):
 
     python benchmarks/ring_schedule.py                  # the grid pp {2,4,8} x m {4,8,16} x mu_rec {4,8,16}
     python benchmarks/ring_schedule.py --in-flight 2    # bound: 2 * pp micro-batches in flight
+    python benchmarks/ring_schedule.py --timing         # generation time per size, as the trainer calls it
+
+--timing generates, per size (pp, m, mu_rec) and spec set, the schedule the trainer asks for every optimizer step
+(laps uniform in [mu_rec / 2, 2 mu_rec], grad_laps = min(laps, mu_rec / 2), 3 pp micro-batches in flight, no
+restarts) with the generator as first written (tests/pipeline/ring_reference.py) and with pipeline.ring at
+tolerance 0 and at its default, side by side, and prints the median over the spec sets of each one's process CPU
+time (the best of 3 calls, garbage collector off) and the largest makespan change (simulated); then, for a few
+larger sizes, each tolerance's makespan change against tolerance 0. It exits non-zero if tolerance 0 changes a
+makespan or a tolerance costs more than itself.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import math
+import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -40,6 +52,12 @@ from megaloop.depth import SAMPLERS, make_sampler  # noqa: E402  (after the path
 from pipeline.ring import CostModel, MicroBatch, interleaved_1f1b, ring_schedule, simulate, uniform_specs  # noqa: E402
 from pipeline.ring.gantt import gantt_chart  # noqa: E402
 from pipeline.ring import lower_bound  # noqa: E402
+from pipeline.ring.generate import TOLERANCE  # noqa: E402
+from tests.pipeline.ring_reference import reference_schedule  # noqa: E402
+
+TIMING_SIZES = [(2, 8, 8), (4, 8, 8), (4, 16, 8), (8, 16, 16), (8, 32, 16)]  # (pp, m, mu_rec)
+SWEEP_SIZES = [(4, 32, 8), (8, 8, 16), (8, 32, 8), (8, 32, 16)]
+SWEEP_TOLERANCES = [0.0, 0.001, TOLERANCE, 0.005, 0.01]
 
 FIGURE = Path(__file__).resolve().parent / "figures" / "ring_schedule.png"
 
@@ -58,13 +76,95 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gantt", type=Path, default=FIGURE, help="PNG of the ring schedule at --gantt-config")
     parser.add_argument("--gantt-config", type=int, nargs=3, default=[4, 16, 8], metavar=("PP", "M", "MU_REC"))
+    parser.add_argument("--timing", action="store_true", help="print the generation time per size and exit")
+    parser.add_argument("--timing-seeds", type=int, default=5, help="spec sets per size for --timing")
     return parser.parse_args(argv)
 
 
-def sampled_specs(args, m: int, mu_rec: int) -> list[MicroBatch]:
+def trainer_specs(m: int, mu_rec: int, seed: int) -> list[MicroBatch]:
+    """m micro-batches with laps uniform in [mu_rec / 2, 2 mu_rec] and grad_laps = min(laps, mu_rec / 2)."""
+    rng = random.Random(seed)
+    laps = [rng.randint(max(1, mu_rec // 2), 2 * mu_rec) for _ in range(m)]
+    return [MicroBatch(n, min(n, max(1, mu_rec // 2))) for n in laps]
+
+
+def cpu_ms(generate, *args, repeat: int = 3, **kwargs) -> tuple[float, list]:
+    """(process CPU milliseconds, result) of the fastest of `repeat` calls, with the garbage collector off during
+    each (as timeit does: the other jobs of this machine and collections set off by earlier allocations would
+    otherwise blur the figures)."""
+    best = float("inf")
+    for _ in range(repeat):
+        gc.collect()
+        gc.disable()
+        try:
+            started = time.process_time()
+            result = generate(*args, **kwargs)
+            best = min(best, time.process_time() - started)
+        finally:
+            gc.enable()
+    return 1000 * best, result
+
+
+def makespan(schedule, specs: list[MicroBatch], pp: int) -> float:
+    return simulate(schedule, specs, CostModel(), max_in_flight=3 * pp, max_open=6 * pp).makespan
+
+
+def timing(args) -> int:
+    """Per size, the generator as first written beside pipeline.ring at tolerance 0 and at its default (median
+    CPU ms over the spec sets, and the largest makespan change); then the makespan cost of each tolerance."""
+    print(f"generation time per optimizer step, as the trainer asks (process CPU ms, best of 3, median over "
+          f"{args.timing_seeds} spec sets; laps uniform in [mu_rec/2, 2 mu_rec], 3 x pp in flight, 6 x pp open)")
+    print(f" pp   m   mu  first-written  tolerance 0  tolerance {100 * TOLERANCE:.2f}%  speed-up  "
+          f"makespan vs first-written: tolerance 0 / {100 * TOLERANCE:.2f}% (largest change)")
+    failed = False
+    for pp, m, mu_rec in TIMING_SIZES:
+        times, change = ([], [], []), ([], [])
+        for seed in range(args.timing_seeds):
+            specs = trainer_specs(m, mu_rec, seed)
+            old_ms, old = cpu_ms(reference_schedule, specs, pp, 3 * pp, open_first=False)
+            exact_ms, exact = cpu_ms(ring_schedule, specs, pp, 3 * pp, tolerance=0.0)
+            new_ms, new = cpu_ms(ring_schedule, specs, pp, 3 * pp)
+            for column, ms in zip(times, (old_ms, exact_ms, new_ms)):
+                column.append(ms)
+            reference = makespan(old, specs, pp)
+            change[0].append(makespan(exact, specs, pp) / reference - 1.0)
+            change[1].append(makespan(new, specs, pp) / reference - 1.0)
+        old_ms, exact_ms, new_ms = (statistics.median(column) for column in times)
+        failed |= max(map(abs, change[0])) > 1e-12 or max(change[1]) > TOLERANCE + 1e-12
+        print(f"{pp:3d} {m:3d} {mu_rec:4d} {old_ms:10.1f} ms {exact_ms:9.1f} ms {new_ms:13.1f} ms "
+              f"{old_ms / new_ms:8.1f}x  {100 * max(change[0]):+.3f}% / {100 * max(change[1]):+.3f}%")
+    failed |= tolerance_sweep(args)
+    return 1 if failed else 0
+
+
+def tolerance_sweep(args) -> bool:
+    """Over 2 x timing-seeds spec sets per size (laps uniform, and depths from the sampler), each tolerance's
+    median CPU ms and its makespan change against tolerance 0 (mean, largest); True if one is above its bound."""
+    print(f"the search stops at a plan within the tolerance of the lower bound: makespan change against tolerance 0 "
+          f"(mean / largest) and median CPU ms, over {2 * args.timing_seeds} spec sets per size")
+    print(" pp   m   mu " + "".join(f"{f'tolerance {100 * t:.2f}%':>25}" for t in SWEEP_TOLERANCES))
+    failed = False
+    for pp, m, mu_rec in SWEEP_SIZES:
+        cases = [trainer_specs(m, mu_rec, 100 + seed) for seed in range(args.timing_seeds)]
+        cases += [sampled_specs(args, m, mu_rec, seed=100 + seed) for seed in range(args.timing_seeds)]
+        cells, exact = [], None
+        for tolerance in SWEEP_TOLERANCES:  # tolerance 0 first: the reference makespans
+            runs = [cpu_ms(ring_schedule, specs, pp, 3 * pp, tolerance=tolerance) for specs in cases]
+            spans = [makespan(schedule, specs, pp) for specs, (_, schedule) in zip(cases, runs)]
+            exact = exact or spans
+            changes = [span / base - 1.0 for span, base in zip(spans, exact)]
+            failed |= max(changes) > tolerance + 1e-12
+            cells.append(f"{100 * statistics.mean(changes):+.3f}/{100 * max(changes):+.3f}% "
+                         f"{statistics.median(ms for ms, _ in runs):5.1f} ms")
+        print(f"{pp:3d} {m:3d} {mu_rec:4d} " + "".join(f"{cell:>25}" for cell in cells))
+    return failed
+
+
+def sampled_specs(args, m: int, mu_rec: int, seed: int | None = None) -> list[MicroBatch]:
     """Per micro-batch: laps = its deepest sequence, k = min(laps, ceil(mu_rec / 2)); with --ragged the active
-    fraction of each lap (sequences aligned at their end, so lap l runs those with depth >= laps - l)."""
-    sampler = make_sampler(args.sampler, mu_rec, None, args.seed)
+    fraction of each lap (sequences aligned at their end, so lap l runs those with depth >= laps - l). The
+    sampler's seed: `seed`, else --seed."""
+    sampler = make_sampler(args.sampler, mu_rec, None, args.seed if seed is None else seed)
     specs = []
     for j in range(m):
         depths = sampler.sample(0, np.arange(j * args.sequences, (j + 1) * args.sequences)).T.numpy()
@@ -120,6 +220,8 @@ def print_row(row: dict) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.timing:
+        return timing(args)
     costs = CostModel(forward=1.0, backward=2.0, nograd_forward=1.0, latency=args.latency)
     print(f"costs: forward {costs.forward}, backward {costs.backward}, no-autograd forward {costs.nograd_forward}, "
           f"latency {costs.latency}; bound {args.in_flight} x pp micro-batches in flight, 2 x that open; "

@@ -17,9 +17,13 @@ A micro-batch's no-autograd laps store nothing besides e, so open micro-batches 
 are cheap fill between the others' laps.
 
 The generator plans with each rule, micro-batches entering longest first or in the given order, and the open cap at
-`max_in_flight` or `max_open` (then seeded restarts if asked), and keeps the plan with the shortest makespan; it
-stops early at a plan that reaches `lower_bound`, which is then optimal. A plan takes milliseconds (about 0.1 s
-for pp = 8, 16 micro-batches of 16 laps).
+`max_open` or `max_in_flight` (the looser first: its plan is usually the shorter; then seeded restarts if asked),
+leaving out settings that would repeat a plan, and keeps the plan with the shortest makespan. A plan is given up
+as soon as it cannot end before the best so far, and the search stops at a plan within `tolerance` of
+`lower_bound` (default 0.25%; 0: only at the bound, where the plan is optimal), so a schedule is at most that
+fraction longer than the full search's. The trainer generates one every optimizer step, on the host, before any
+compute: about 2 ms for pp = 2 and 8 micro-batches of 8 laps, 20 ms for pp = 8 and 16 micro-batches of 16 laps,
+50 ms for pp = 8 and 32 of them (one CPU core; `python benchmarks/ring_schedule.py --timing`).
 
 Because the orders come from a feasible timed run and Sends are asynchronous, the action lists cannot deadlock
 (the simulator checks it anyway). With laps = grad_laps = v for every micro-batch the ring is interleaved 1F1B's

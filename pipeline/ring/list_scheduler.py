@@ -12,9 +12,10 @@ of the actions whose inputs are there (it never idles while one is), chosen by i
 `jitter` > 0 adds a seeded random amount in [0, jitter) to the latest starts, for restarts that explore other ties.
 
 The generator runs in the trainer every optimizer step, so a placement costs little: each rank keeps the open
-micro-batches whose next action it runs and the earliest time one of them is ready (updated only for the two
-ranks a placement touches), a lone ready action is taken without ranking, and latest starts are computed only
-for the ready micro-batches, the slot estimate stopping once it has them.
+micro-batches whose next action it runs and when it can start one (updated only for the ranks a placement
+touches), a lone ready action is taken without ranking, and latest starts are computed only for the ready
+micro-batches, the slot estimate stopping once it has them. `run(beat)` gives a plan up once it cannot end
+before `beat` (the best plan so far).
 """
 from __future__ import annotations
 
