@@ -197,33 +197,33 @@ class ListScheduler:
         return latest
 
     def _place(self, mb: int, rank: int, start: float) -> None:
-        i = self.next[mb]
+        c, i = self.c, self.next[mb]
         if i == 0:
             self.entered += 1
             self.open.add(mb)
         else:
             self.at[rank].remove(mb)
-        if i == self.c.enter[mb]:
+        if i == c.enter[mb]:
             self.in_flight.add(mb)
-        elif i == self.c.leave[mb]:
+        elif i == c.leave[mb]:
             self.in_flight.discard(mb)
-        duration = self.c.durations[mb][i]
+        duration = c.durations[mb][i]
         end = start + duration
-        self.orders[rank].append(self.c.actions[mb][i])
+        self.orders[rank].append(c.actions[mb][i])
         self.positions[rank].append((mb, i))
         self.remaining[rank] -= duration
         self.free[rank] = end
         self.next[mb] = i + 1
-        if i + 1 == len(self.c.actions[mb]):
+        if i + 1 == len(c.actions[mb]):
             self.open.discard(mb)
         else:
-            self.ready[mb] = end + self.c.hops[mb][i]
-            there = self.c.ranks[mb][i + 1]
+            ready = self.ready[mb] = end + c.hops[mb][i]
+            there = c.ranks[mb][i + 1]
             self.at[there].append(mb)
             if there == 0:
                 self._update(0)
             elif there != rank:  # one more candidate there: it can start at the later of free and ready
-                begins = self.free[there] if self.free[there] > self.ready[mb] else self.ready[mb]
+                begins = self.free[there] if self.free[there] > ready else ready
                 if begins < self.begin[there]:
                     self.begin[there] = begins
         self._update(rank)
