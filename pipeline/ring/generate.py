@@ -23,7 +23,7 @@ as soon as it cannot end before the best so far, and the search stops at a plan 
 `lower_bound` (default 0.25%; 0: only at the bound, where the plan is optimal), so a schedule is at most that
 fraction longer than the full search's. The trainer generates one every optimizer step, on the host, before any
 compute: about 2 ms for pp = 2 and 8 micro-batches of 8 laps, 20 ms for pp = 8 and 16 micro-batches of 16 laps,
-50 ms for pp = 8 and 32 of them (one CPU core; `python benchmarks/ring_schedule.py --timing`).
+56 ms for pp = 8 and 32 of them (one CPU core; `python benchmarks/ring_schedule.py --timing`).
 
 Because the orders come from a feasible timed run and Sends are asynchronous, the action lists cannot deadlock
 (the simulator checks it anyway). With laps = grad_laps = v for every micro-batch the ring is interleaved 1F1B's
