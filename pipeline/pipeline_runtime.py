@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from pipeline.grad_buffer import GradBuffer, flat_all_reduce_
+from pipeline.grad_buffer import flat_all_reduce_
 from pipeline.micro_batches import MicroBatchResult, NoTimer
 from pipeline.parallel_lm import ParallelLM
 from pipeline.ring import MicroBatch, chain, rank_of, ring_schedule, with_p2p
@@ -128,10 +128,8 @@ class PipelineRuntime(ParallelRuntime):
         first = set(self.stage_functions.parameter_names(model, 0, self.pp))
         self.shared = first & set(self.stage_functions.parameter_names(model, self.pp - 1, self.pp))
         self.model = model
-        inner = model
-        if self.layout.tp > 1:
-            inner = ParallelLM(model, self.layout, self.tp_plan)
-            self.tp_info = inner.tp_info
+        if self.layout.tp > 1:  # splits the model in place (and sets its sequence shard)
+            self.tp_info = ParallelLM(model, self.layout, self.tp_plan).tp_info
         else:
             self.tp_info = TensorParallelInfo(replicated=[n for n, _ in model.named_parameters()])
         if materialize is not None:
@@ -193,13 +191,13 @@ class PipelineRuntime(ParallelRuntime):
         return losses.cpu().tolist()
 
     def _program(self, model: PipelineStage, micro_batches, scales, autocast):
-        loss_fn = None
-        if self.layout.tp > 1:
-            def loss_fn(logits, labels):
-                return vocab_parallel_cross_entropy(logits, labels, self.layout,
-                                                    vocab_start=self.tp_info.vocab_range[0])
+        loss_fn = self._vocab_parallel_loss if self.layout.tp > 1 else None
         return self.stage_functions.program(model.model, self.stage, self.pp, micro_batches, scales, loss_fn,
                                             autocast)
+
+    def _vocab_parallel_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The mean token loss of this rank's vocabulary slice of the logits (the full cross-entropy)."""
+        return vocab_parallel_cross_entropy(logits, labels, self.layout, vocab_start=self.tp_info.vocab_range[0])
 
     def _executor(self, program) -> RingExecutor:
         return RingExecutor(program, self.layout.pp_group, dtype=program.message_dtype(), device=self.device,

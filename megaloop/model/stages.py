@@ -245,7 +245,7 @@ class LoopedStageProgram:
         """state_norm and recurrent_residual as LoopedLM.forward computes them (recurrence.loop_telemetry): h_{T-1}
         is the second-last lap's output for the rows that ran it and h_0 for rows whose only lap is the last; rows
         in plan order (the means do not depend on it)."""
-        batch, plan = self.batches[mb], self.plans[mb]
+        batch = self.batches[mb]
         prev = self._prev.pop(mb, h[:0])
         if prev.shape[0] < h.shape[0]:
             h0 = batch.h0 if batch.h0 is not None else self.model.initial_state(h, batch.noise_key)
