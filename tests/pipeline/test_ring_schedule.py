@@ -286,7 +286,7 @@ def _mixed_cases() -> list[tuple]:
             specs = [MicroBatch(s.laps, s.grad_laps, tuple(rng.choice((0.25, 0.5, 1.0)) for _ in range(s.laps)))
                      for s in specs]
         bound = rng.choice((1, 2, pp))
-        cases.append((specs, pp, bound, None if i % 3 else 3 * bound, odd if i % 2 else UNIFORM, i % 3 == 2))
+        cases.append((specs, pp, bound, None if i % 3 else 3 * bound, odd if i % 2 else UNIFORM, int(i % 3 == 2)))
     return cases
 
 
