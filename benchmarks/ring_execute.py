@@ -37,16 +37,16 @@ send measured as how late waiting actions started; 17-36% apart in the runs belo
   measurement as the prediction: the costs are right, the rest is in those waits, which no per-message constant
   captures.
 
-Measured on the project's shared 2-core machine (pp 2, 7 steps, load average 0.5-0.8; medians): parcae-tiny
-(256 KiB messages; ping-pong 0.069 ms + 0.200 ms/MB): idle rank 0 simulated 0.370, measured 0.399 (steps
-0.363-0.433), 7.2% apart; rank 1 0.186 vs 0.216 (steps 0.200-0.238), 14.0%; all ranks 0.285 vs 0.313, 9.0% (as
-first compared 0.300 vs 0.361, 16.8%); one mean per kind for both ranks misses their asymmetry (rank 1: 0.158,
-26.9%). The toy (1 MiB messages; 0.071 ms + 0.197 ms/MB): rank 0 0.119 vs 0.152 (steps 0.121-0.182), 22.2% apart,
-OUTSIDE 20%; rank 1 0.236 vs 0.264, 10.4%; all ranks 0.179 vs 0.204, 12.1% (as first compared 0.191 vs 0.249,
-23.4%); with one mean per kind 0.130 vs 0.152 (14.9%) and 0.220 vs 0.264 (16.7%). In two runs under load (1-minute
-load 2.3-3.8) the toy's rank 0 came out 10-20% apart and rank 1 4-12%. The toy's rank 0 has the smallest idle and
-the widest spread between steps (0.12-0.18): it sits at the edge of the target, which is why parcae-tiny, the
-real model and the steadier measurement, is the default.
+Measured on the project's shared 2-core machine (pp 2, 7 steps, load average 0.7-1.0; medians): parcae-tiny
+(256 KiB messages; ping-pong 0.065 ms + 0.140 ms/MB): idle rank 0 simulated 0.390, measured 0.415 (steps
+0.383-0.435), 6.0% apart; rank 1 0.188 vs 0.216 (steps 0.170-0.249), 13.0%; all ranks 0.286 vs 0.313, 8.5% (as
+first compared 0.309 vs 0.367, 15.9%); one mean per kind for both ranks misses their asymmetry (rank 1: 0.158,
+26.8%). The toy (1 MiB messages; 0.083 ms + 0.215 ms/MB): rank 0 0.115 vs 0.137 (steps 0.117-0.162), 16.3%; rank 1
+0.249 vs 0.268, 7.3%; all ranks 0.183 vs 0.208, 12.2% (as first compared 0.190 vs 0.257, 26.3%). An earlier
+quiet run (load 0.5-0.8) gave parcae-tiny 7.2% and 14.0%, the toy 22.2% (rank 0: 0.119 vs 0.152, OUTSIDE 20%)
+and 10.4%; two runs under load (1-minute load 2.3-3.8) the toy's rank 0 10-20% and rank 1 4-12%. The toy's rank
+0 has the smallest idle and the widest spread between steps: it sits at the edge of the target, which is why
+parcae-tiny, the real model and the steadier measurement, is the default.
 
 The toy computes B e once per micro-batch at Embed so that stage 0's laps cost what the others' do; parcae-tiny's
 stage 0 applies the injection in its laps (the per-rank costs take it in).
