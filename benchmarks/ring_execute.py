@@ -18,21 +18,21 @@ its own costs). Acceptance: each rank's median measured idle within 20% (relativ
 Nothing is fitted to the measured idle: the costs are per-kind means, the delay comes from the ping-pong.
 
 Where the earlier gap came from (printed last, "as first compared": busy = compute alone, one latency after the
-send measured as how late waiting actions started; 17-36% apart in the runs below and under load):
+send measured as how late waiting actions started; 16-36% apart in the runs below and under load):
 - Posting. gloo's TCP transport writes a message's payload in the thread that posts the send when the receiver's
   ready notice is already there (and posting otherwise waits for the pair's lock while the transport thread
   writes): alone, posting a 1 MiB send took 0.06 ms before the receive was posted and 0.42 ms after (1.26 ms for
-  4 MiB). In the runs the executor's posting and bookkeeping add 7-20% to a lap's compute time on a quiet machine
+  4 MiB). In the runs the executor's posting and bookkeeping add 7-22% to a lap's compute time on a quiet machine
   (the "mean cost per action" line: charged, and compute alone in brackets), up to 60% under load, time the
   earlier comparison counted as idle.
 - Rendezvous. gloo moves a payload only once the receiver has posted its irecv (the sender announces it, the
   receiver answers, the sender's transport thread writes it), so a message sent long before its Recv still takes
   a + b x bytes after the Recv is posted (alone: 0.59 ms for 1 MiB sent 20 ms earlier). `CostModel(rendezvous=True)`
-  simulates that; without it the prediction is 0.003-0.008 lower ("without rendezvous").
+  simulates that; without it the prediction is 0.002-0.008 lower ("without rendezvous").
 - What remains is late wake-ups. Half the waits end within 0.3 ms of what the delay model predicts from the
-  measured posting times, but about a tenth end more than 2 ms later (together about 16 ms per step at pp 2: what
-  the simulated makespan lacks, 1-5%); traced action by action they come in steps of about 3.8-4 ms, a scheduler
-  tick at 250 Hz, as when the thread that must move a payload wakes on a core that is computing. The simulation
+  measured posting times, but about a tenth end more than 2 ms later (together 12-17 ms per step at pp 2: what
+  the simulated makespan lacks, 1-5%); traced action by action they come in steps of about 3.8-4 ms, one scheduler
+  tick of the machine's kernel (250 Hz), as when the thread that must move a payload wakes on a core that is computing. The simulation
   with each action's own cost instead of the means ("each action's own cost") is nearly as far from the
   measurement as the prediction: the costs are right, the rest is in those waits, which no per-message constant
   captures.
