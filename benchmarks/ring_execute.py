@@ -29,11 +29,11 @@ send measured as how late waiting actions started; 16-36% apart in the runs belo
   receiver answers, the sender's transport thread writes it), so a message sent long before its Recv still takes
   a + b x bytes after the Recv is posted (alone: 0.59 ms for 1 MiB sent 20 ms earlier). `CostModel(rendezvous=True)`
   simulates that; without it the prediction is 0.002-0.008 lower ("without rendezvous").
-- What remains is late wake-ups. Half the waits end within 0.3 ms of what the delay model predicts from the
-  measured posting times, but about a tenth end more than 2 ms later (together 12-17 ms per step at pp 2: what
-  the simulated makespan lacks, 1-5%); traced action by action they come in steps of about 3.8-4 ms, one scheduler
-  tick of the machine's kernel (250 Hz), as when the thread that must move a payload wakes on a core that is computing. The simulation
-  with each action's own cost instead of the means ("each action's own cost") is nearly as far from the
+- What remains is late wake-ups. Half the waits end within 0.3 ms of what the delay model predicts from the measured
+  posting times, but about a tenth end more than 2 ms later (together 12-17 ms per step at pp 2: what the simulated
+  makespan lacks, 1-5%); traced action by action they come in steps of about 3.8-4 ms, one scheduler tick of the
+  machine's kernel (250 Hz), as when the thread that must move a payload wakes on a core that is computing. The
+  simulation with each action's own cost instead of the means ("each action's own cost") is nearly as far from the
   measurement as the prediction: the costs are right, the rest is in those waits, which no per-message constant
   captures.
 
