@@ -86,15 +86,15 @@ class _Chain:
 def _reduce(actions, ranks, durations, hops, pp: int) -> _Chain:
     """The `_Chain` of one chain (see Chains), zero-cost actions folded into the action before them."""
     kept = [i for i, d in enumerate(durations) if d > 0]
+    for z in range(1, len(actions)):
+        if durations[z] == 0 and (ranks[z] != ranks[z - 1] or hops[z - 1]):
+            raise ValueError(f"{label(actions[z])} costs nothing but follows {label(actions[z - 1])} on another "
+                             f"rank: give it a positive cost (the search places zero-cost actions right after their "
+                             f"chain predecessor on its rank)")
     lead = list(actions[:kept[0]]) if kept else list(actions)
     trail, lag = [], []
     for n, i in enumerate(kept):
         end = kept[n + 1] if n + 1 < len(kept) else len(actions)
-        for z in range(i + 1, end):
-            if ranks[z] != ranks[z - 1] or hops[z - 1]:
-                raise ValueError(f"{label(actions[z])} costs nothing but follows {label(actions[z - 1])} on another "
-                                 f"rank: give it a positive cost (the search places zero-cost actions right after "
-                                 f"their chain predecessor on its rank)")
         trail.append(list(actions[i + 1:end]))
         lag.append(hops[end - 1] if end < len(actions) else 0.0)
     c = _Chain([ranks[i] for i in kept], [durations[i] for i in kept], lag, [0.0] * (len(kept) + 1), trail, lead)
@@ -129,16 +129,13 @@ class _Search:
         self.actions = ch.actions
         self.kept = [[i for i, d in enumerate(ds) if d > 0] for ds in ch.durations]
         self.idx = [0] * len(self.chains)
-        self.ready = [0.0] * len(self.chains)
+        # zero-cost actions before a chain's first costly one (all on its first rank) run at 0, first there
+        self.ready = [hops[kept[0] - 1] if kept and kept[0] else 0.0 for hops, kept in zip(ch.hops, self.kept)]
         self.free = [0.0] * pp
         self.orders: list[list[Compute]] = [[] for _ in range(pp)]
-        for c in self.chains:
-            for action in c.lead:
-                self.orders[self._rank_of_lead(c)].append(action)
+        for c, ranks in zip(self.chains, ch.ranks):
+            self.orders[ranks[0]].extend(c.lead)
         self.nodes, self.failed = 0, set()
-
-    def _rank_of_lead(self, c: _Chain) -> int:
-        return c.rank[0] if c.rank else 0
 
     def bound(self) -> float:
         """A makespan no completion of the current partial schedule can beat."""
