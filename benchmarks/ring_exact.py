@@ -13,18 +13,24 @@ below the best makespan found so far (at first the generator's): the largest, ov
 earliest start plus the rest of the chain, and over ranks, of the earliest time the rank can start its remaining
 work plus that work plus the least chain time after its last action there. Explored states (next action, ready time
 per chain; free time per rank) are remembered, since other branch orders reach them again. Zero-cost actions
-(embedding, loss by default) always follow an action of their chain on the same rank: each is placed right after
-it, which costs nothing.
+(embedding, loss by default) follow an action of their chain on the same rank: each is placed right after it, which
+costs nothing (a zero-cost action after another rank's is refused). With --non-delay the branches are only the
+actions that can start soonest on the rank that can start one soonest: the best schedule where no rank idles while
+it could start an action, the kind list scheduling (the generator) makes.
 
 The search ends at a schedule as short as `generate.lower_bound`, or when the tree is exhausted (the best found is
 then proven optimal), or at the time limit (then only "best found" and the lower bound are known). A schedule it
 finds is checked with pipeline.ring.simulate on its per-rank orders (Sends and Recvs added by with_p2p).
+
+For one case (not --grid) it also prints the best schedule's per-rank orders, and which single changed choice of the
+critical-path list schedule (longest remaining chain first) would shorten that schedule (`one_change`).
 
 Usage (from the repository root):
 
     python benchmarks/ring_exact.py                        # pp 4, m 4, mu_rec 8 of ring_schedule.py's grid
     python benchmarks/ring_exact.py --pp 2 --m 8 --mu-rec 4 --time-limit 30
     python benchmarks/ring_exact.py --grid --time-limit 20 # every case of ring_schedule.py's default grid
+    python benchmarks/ring_exact.py --non-delay            # only schedules that never idle a rank needlessly
 """
 from __future__ import annotations
 
@@ -43,7 +49,7 @@ from pipeline.ring.list_scheduler import Chains  # noqa: E402
 
 EPS = 1e-9
 _CHECK_EVERY = 2048  # nodes between looks at the clock
-_MEMO_LIMIT = 4_000_000  # explored states remembered at most
+_MEMO_LIMIT = 1_000_000  # explored states remembered at most (about 0.5 GB)
 
 
 class _OutOfTime(Exception):
@@ -263,6 +269,46 @@ def generated(specs: Sequence[MicroBatch], pp: int, costs: CostModel, in_flight:
     return verify(orders, specs, costs), orders
 
 
+def one_change(specs: Sequence[MicroBatch], pp: int, costs: CostModel) -> tuple[float, list, list[tuple]]:
+    """The critical-path list schedule (no rank idles while an action is ready; of the ready ones, the longest
+    remaining chain first, ties to the lower micro-batch) and the changes of one of its choices that shorten it:
+    (its makespan, its per-rank orders, [(time, rank, action taken instead, action passed over, makespan)]), every
+    later choice still by the rule."""
+    search = _Search(specs, pp, costs, non_delay=True)
+    base, choices = _follow(search, None)
+    better = []
+    for point, ready in enumerate(choices):
+        for alternative in range(1, ready):
+            span, trace = _follow(_Search(specs, pp, costs, non_delay=True), (point, alternative))
+            if span < base - EPS:
+                better.append(trace + (span,))
+    return base, search.orders, better
+
+
+def _follow(search: _Search, change: tuple[int, int] | None):
+    """Places every action by the critical-path rule except, with `change` (point, k), the k-th ranked action at
+    the point-th choice between several; (makespan, ready actions per such choice) or, with `change`, (makespan,
+    (time, rank, taken, passed over))."""
+    choices, trace = [], None
+    while True:
+        options = search.branches()
+        if not options:
+            return max(search.free), (choices if change is None else trace)
+        pick = 0
+        if len(options) > 1:
+            if change is not None and len(choices) == change[0]:
+                pick = min(change[1], len(options) - 1)
+                (j, start), (passed, _) = options[pick], options[0]
+                trace = (start, search.chains[j].rank[search.idx[j]], _next_label(search, j),
+                         _next_label(search, passed))
+            choices.append(len(options))
+        search.place(*options[pick])
+
+
+def _next_label(search: _Search, j: int) -> str:
+    return label(search.actions[j][search.kept[j][search.idx[j]]])
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pp", type=int, default=4, help="ring ranks")
@@ -275,6 +321,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--grid", action="store_true",
                         help="every case of ring_schedule.py's grid pp {2,4,8} x m {4,8,16} x mu_rec {4,8,16}")
     parser.add_argument("--show-orders", action="store_true", help="print the per-rank orders of the best schedule")
+    parser.add_argument("--non-delay", action="store_true",
+                        help="search only schedules where no rank idles while it could start an action (as list "
+                             "scheduling makes them)")
     return parser.parse_args(argv)
 
 
@@ -285,12 +334,13 @@ def case(args, pp: int, m: int, mu_rec: int) -> dict:
     specs = sampled_specs(grid_args(["--seed", str(args.seed)]), m, mu_rec)
     costs = CostModel(forward=1.0, backward=2.0, nograd_forward=1.0)
     makespan, orders = generated(specs, pp, costs, args.in_flight, args.restarts)
-    work = sum(c.dur[k] for c in _Search(specs, pp, costs).chains for k in range(len(c.dur)))
-    target = work / (pp * (1.0 - (pp - 1) / (equal_work_laps(specs, costs) * m)))
-    result = solve(specs, pp, costs, makespan, orders, args.time_limit)
-    if result.improved:
-        assert abs(verify(result.orders, specs, costs) - result.best) < EPS, "the simulator disagrees"
-    return dict(pp=pp, m=m, mu=mu_rec, specs=specs, generated=makespan, target=target, result=result)
+    target = sum(Chains(specs, pp, costs).work) / (pp * (1.0 - (pp - 1) / (equal_work_laps(specs, costs) * m)))
+    result = solve(specs, pp, costs, makespan, orders, args.time_limit, non_delay=args.non_delay)
+    if result.improved and abs(verify(result.orders, specs, costs) - result.best) > EPS:
+        raise RuntimeError(f"the simulator's makespan {verify(result.orders, specs, costs)} of the schedule found "
+                           f"differs from the search's {result.best}: a bug in the search")
+    return dict(pp=pp, m=m, mu=mu_rec, specs=specs, generated=makespan, orders=orders, target=target,
+                result=result)
 
 
 def report(row: dict, show_orders: bool) -> None:
@@ -303,11 +353,24 @@ def report(row: dict, show_orders: bool) -> None:
             print(f"  rank {rank}: " + " ".join(label(a) for a in order))
 
 
+def report_changes(row: dict) -> None:
+    costs = CostModel(forward=1.0, backward=2.0, nograd_forward=1.0)
+    base, orders, better = one_change(row["specs"], row["pp"], costs)
+    same = all([a for a in mine if costs.of(a, row["specs"])] == [a for a in theirs if costs.of(a, row["specs"])]
+               for mine, theirs in zip(orders, row["orders"]))
+    print(f"critical-path list schedule: makespan {base:g}, costly actions in {'the same' if same else 'other'} "
+          f"per-rank orders as the generator's; {len(better)} changes of one choice shorten it"
+          + (":" if better else ""))
+    for start, rank, taken, passed, span in better:
+        print(f"  at {start:g} on rank {rank}: {taken} before {passed} -> makespan {span:g}")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     cases = [(pp, m, mu) for pp in (2, 4, 8) for m in (4, 8, 16) for mu in (4, 8, 16)] if args.grid else [
         (args.pp, args.m, args.mu_rec)]
-    print(f"exact ring makespan by branch and bound over active schedules (memory bounds left out), costs forward 1, "
+    kind = "non-delay" if args.non_delay else "active"
+    print(f"exact ring makespan by branch and bound over {kind} schedules (memory bounds left out), costs forward 1, "
           f"backward 2, no-autograd forward 1; the search starts below the generator's makespan "
           f"({args.in_flight} x pp in flight, {args.restarts} restarts); time limit {args.time_limit:g} s per case")
     print(" pp   m   mu generated   target    lower    exact  gen/exact      nodes  seconds  result")
@@ -316,6 +379,8 @@ def main(argv=None) -> int:
         if not args.grid:
             print("micro-batches (laps, grad_laps): " + str([(s.laps, s.grad_laps) for s in row["specs"]]))
         report(row, args.show_orders or not args.grid)
+        if not args.grid:
+            report_changes(row)
     return 0
 
 

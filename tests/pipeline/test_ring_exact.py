@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from benchmarks.ring_exact import generated, solve, verify
+from benchmarks.ring_exact import generated, one_change, solve, verify
 from pipeline.ring import CostModel, MicroBatch, chain, lower_bound, rank_of, simulate, with_p2p
 
 UNIFORM = CostModel(forward=1.0, backward=2.0)
@@ -136,3 +136,15 @@ def test_time_limit_keeps_the_incumbent_unproven():
 def test_zero_cost_action_after_another_rank_is_refused():
     with pytest.raises(ValueError, match="costs nothing"):
         solve([MicroBatch(1, 1)], 2, CostModel(forward=0.0, backward=1.0, nograd_forward=0.0))
+
+
+def test_one_changed_choice_of_the_critical_path_schedule():
+    """The critical-path list schedule's makespan is its simulated one, and each reported change of one choice
+    gives a shorter schedule, never below the exact optimum; in the case above the idle target one reaches it."""
+    specs = [MicroBatch(n, 4) for n in (14, 11, 9, 13)]
+    base, orders, better = one_change(specs, 4, UNIFORM)
+    assert verify(orders, specs, UNIFORM) == pytest.approx(base, abs=1e-12)
+    best = solve(specs, 4, UNIFORM, time_limit=60.0)
+    assert best.proven and better
+    assert all(best.best - 1e-12 <= span < base for *_, span in better)
+    assert min(span for *_, span in better) == pytest.approx(best.best, abs=1e-12)
