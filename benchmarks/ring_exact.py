@@ -328,19 +328,21 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def case(args, pp: int, m: int, mu_rec: int) -> dict:
-    """The generator's makespan, the idle target's makespan and the exact search's result for one grid case."""
+    """The generator's makespan, the makespan at the idle target (interleaved 1F1B's (p - 1) / (v m), as
+    ring_schedule.py prints it) and the exact search's result for one grid case."""
     from benchmarks.ring_schedule import equal_work_laps, parse_args as grid_args, sampled_specs
 
     specs = sampled_specs(grid_args(["--seed", str(args.seed)]), m, mu_rec)
     costs = CostModel(forward=1.0, backward=2.0, nograd_forward=1.0)
     makespan, orders = generated(specs, pp, costs, args.in_flight, args.restarts)
-    target = sum(Chains(specs, pp, costs).work) / (pp * (1.0 - (pp - 1) / (equal_work_laps(specs, costs) * m)))
+    idle = (pp - 1) / (equal_work_laps(specs, costs) * m)  # interleaved 1F1B's, ring_schedule.py's target
+    target = sum(Chains(specs, pp, costs).work) / (pp * (1.0 - idle))
     result = solve(specs, pp, costs, makespan, orders, args.time_limit, non_delay=args.non_delay)
     if result.improved and abs(verify(result.orders, specs, costs) - result.best) > EPS:
         raise RuntimeError(f"the simulator's makespan {verify(result.orders, specs, costs)} of the schedule found "
                            f"differs from the search's {result.best}: a bug in the search")
     return dict(pp=pp, m=m, mu=mu_rec, specs=specs, generated=makespan, orders=orders, target=target,
-                result=result)
+                result=result, bound=args.in_flight * pp, target_idle=idle)
 
 
 def report(row: dict, show_orders: bool) -> None:
@@ -349,6 +351,11 @@ def report(row: dict, show_orders: bool) -> None:
     print(f"{row['pp']:3d} {row['m']:3d} {row['mu']:4d} {row['generated']:9.2f} {row['target']:8.2f} {r.bound:8.2f} "
           f"{r.best:8.2f} {100 * (row['generated'] / r.best - 1):+7.3f}% {r.nodes:10d} {r.seconds:8.2f}  {status}")
     if show_orders and r.improved:
+        run = simulate(with_p2p(r.orders, row["specs"]), row["specs"], CostModel(forward=1.0, backward=2.0))
+        print(f"the best schedule, simulated: makespan {run.makespan:g}, idle {run.idle_fraction:.4f} (target "
+              f"{row['target_idle']:.4f}), peak "
+              f"micro-batches in flight per rank {run.peak_in_flight}, open {run.peak_open} (the generator's bounds: "
+              f"{row['bound']}, {2 * row['bound']}); per-rank orders:")
         for rank, order in enumerate(r.orders):
             print(f"  rank {rank}: " + " ".join(label(a) for a in order))
 
