@@ -317,7 +317,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="the depth sampler's seed (ring_schedule.py's --seed)")
     parser.add_argument("--time-limit", type=float, default=120.0, help="seconds of search per case")
     parser.add_argument("--in-flight", type=int, default=3, help="the generator's bound: this times pp in flight")
-    parser.add_argument("--restarts", type=int, default=8, help="the generator's seeded extra plans")
+    parser.add_argument("--restarts", type=int, default=16, help="the generator's seeded extra plans")
     parser.add_argument("--grid", action="store_true",
                         help="every case of ring_schedule.py's grid pp {2,4,8} x m {4,8,16} x mu_rec {4,8,16}")
     parser.add_argument("--show-orders", action="store_true", help="print the per-rank orders of the best schedule")

@@ -70,7 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--sampler", default="poisson-truncated-full", choices=sorted(SAMPLERS))
     parser.add_argument("--sequences", type=int, default=8, help="sequences per micro-batch")
     parser.add_argument("--in-flight", type=int, default=3, help="bound: this many times pp micro-batches in flight")
-    parser.add_argument("--restarts", type=int, default=8, help="seeded extra plans while above the lower bound")
+    parser.add_argument("--restarts", type=int, default=16, help="seeded extra plans while above the lower bound")
     parser.add_argument("--ragged", action="store_true", help="lap costs scaled by the active rows (ragged loop)")
     parser.add_argument("--latency", type=float, default=0.0, help="p2p latency, in forward lap segments")
     parser.add_argument("--seed", type=int, default=0)

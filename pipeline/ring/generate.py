@@ -97,8 +97,10 @@ def _settings(chains: Chains, max_in_flight: int, max_open: int, costs: CostMode
     longest = sorted(range(m), key=lambda mb: (-chains.tails[mb][0], mb))
     orders = (True,) if longest == list(range(m)) else (True, False)
     settings = [(rule, first, cap, 0.0, 0) for rule in RULES for first in orders for cap in caps]
-    return settings + [("slack-coupled", True, cap, costs.forward, seed) for seed in range(1, restarts + 1)
-                       for cap in caps]
+    # restarts: latest starts jittered by up to two laps around the ring, enough to swap micro-batches whose
+    # remaining chains differ by a lap or so (smaller jitter only reorders near-ties)
+    jitter = 2 * chains.pp * costs.forward
+    return settings + [("slack-coupled", True, cap, jitter, seed) for seed in range(1, restarts + 1) for cap in caps]
 
 
 def lower_bound(specs: Sequence[MicroBatch], pp: int, costs: CostModel = CostModel()) -> float:
