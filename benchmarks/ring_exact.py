@@ -309,14 +309,22 @@ def _next_label(search: _Search, j: int) -> str:
     return label(search.actions[j][search.kept[j][search.idx[j]]])
 
 
+def positive(text: str) -> int:
+    """An argparse type: an integer >= 1 (anything else is a usage error, exit 2)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pp", type=int, default=4, help="ring ranks")
-    parser.add_argument("--m", type=int, default=4, help="micro-batches")
-    parser.add_argument("--mu-rec", type=int, default=8, help="mean recurrence of the depth sampler")
+    parser.add_argument("--pp", type=positive, default=4, help="ring ranks")
+    parser.add_argument("--m", type=positive, default=4, help="micro-batches")
+    parser.add_argument("--mu-rec", type=positive, default=8, help="mean recurrence of the depth sampler")
     parser.add_argument("--seed", type=int, default=0, help="the depth sampler's seed (ring_schedule.py's --seed)")
     parser.add_argument("--time-limit", type=float, default=120.0, help="seconds of search per case")
-    parser.add_argument("--in-flight", type=int, default=3, help="the generator's bound: this times pp in flight")
+    parser.add_argument("--in-flight", type=positive, default=3, help="the generator's bound: this times pp in flight")
     parser.add_argument("--restarts", type=int, default=16, help="the generator's seeded extra plans")
     parser.add_argument("--grid", action="store_true",
                         help="every case of ring_schedule.py's grid pp {2,4,8} x m {4,8,16} x mu_rec {4,8,16}")
