@@ -23,15 +23,16 @@ import torch
 from torch import nn
 
 from pipeline.collectives import SEQ_DIM, chunk_along
+from pipeline.model_view import ModelView
 from pipeline.tensor_parallel import TensorParallelInfo, apply_tensor_parallel
 from pipeline.vocab_parallel import vocab_parallel_cross_entropy
 
 
-class ParallelLM:
+class ParallelLM(ModelView):
     """A tensor-parallel view of a looped LM: call it like the model (same arguments, same output type).
 
     The parameters, modes and state are the model's own (`.model`, split in place): named_parameters, parameters,
-    train, eval and training below are the model's, which is what a trainer uses besides the call (the optimizer
+    train, eval and training (ModelView) are the model's, which is what a trainer uses besides the call (the optimizer
     and checkpoints see the model's parameter names). The returned logits are this rank's vocabulary slice
     [B, S, V/tp] (full sequence); the loss is the full cross-entropy, equal on every tensor-parallel rank."""
 
@@ -45,24 +46,6 @@ class ParallelLM:
                 raise TypeError(f"sequence parallelism needs {type(model).__name__}.set_sequence_shard(parts, shard) "
                                 "to draw h_0 for the whole sequence; add it or set sequence_parallel=False")
             model.set_sequence_shard(layout.tp, functools.partial(chunk_along, dim=SEQ_DIM, group=self._group))
-
-    # ---- what the trainer reads: the model's own --------------------------------------------------------------
-    def named_parameters(self, *args, **kwargs):
-        return self.model.named_parameters(*args, **kwargs)
-
-    def parameters(self, *args, **kwargs):
-        return self.model.parameters(*args, **kwargs)
-
-    @property
-    def training(self) -> bool:
-        return self.model.training
-
-    def train(self, mode: bool = True) -> "ParallelLM":
-        self.model.train(mode)
-        return self
-
-    def eval(self) -> "ParallelLM":
-        return self.train(False)
 
     # ---- forward ----------------------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):

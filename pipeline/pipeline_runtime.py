@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from pipeline.grad_buffer import flat_all_reduce_
 from pipeline.micro_batches import MicroBatchResult, NoTimer
+from pipeline.model_view import ModelView
 from pipeline.parallel_lm import ParallelLM
 from pipeline.ring import MicroBatch, chain, rank_of, ring_schedule, with_p2p
 from pipeline.ring.actions import Embed, Forward, Loss
@@ -51,31 +52,17 @@ class StageFunctions:
     program: Callable
 
 
-class PipelineStage:
+class PipelineStage(ModelView):
     """This rank's stage of a model split over the pipeline: the parameters, modes and state the trainer reads
-    (only what the stage holds); it is not called: the runtime runs micro-batches through the stage program."""
+    (only what the stage holds); it is not called: the runtime runs micro-batches through the stage program with
+    `model` (split in place under tp)."""
 
-    def __init__(self, model, module: torch.nn.Module, held: list[str]):
-        self.model = model            # what the stage program computes with (ParallelLM's model under tp)
-        self.module = module          # the nn.Module whose parameters these are
+    def __init__(self, model: torch.nn.Module, held: list[str]):
+        self.model = model
         self.held = set(held)
 
-    def named_parameters(self, *args, **kwargs):
-        return [(n, p) for n, p in self.module.named_parameters(*args, **kwargs) if n in self.held]
-
-    def parameters(self, *args, **kwargs):
-        return [p for _, p in self.named_parameters(*args, **kwargs)]
-
-    @property
-    def training(self) -> bool:
-        return self.module.training
-
-    def train(self, mode: bool = True) -> "PipelineStage":
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> "PipelineStage":
-        return self.train(False)
+    def holds(self, name: str) -> bool:
+        return name in self.held
 
     def __call__(self, *args, **kwargs):
         raise TypeError("a pipeline stage holds part of the model and is not called: hand micro-batches to "
@@ -111,7 +98,7 @@ class PipelineRuntime(ParallelRuntime):
         self.check_messages = check_messages
         self.stage, self.pp = layout.pp_rank, layout.pp
         self.shared: set[str] = set()
-        self._schedules: dict[tuple, list] = {}
+        self._schedule: tuple = (None, [])  # (the specs' key, this rank's actions): the last step's
 
     pp_size = property(lambda self: self.layout.pp)
 
@@ -134,7 +121,7 @@ class PipelineRuntime(ParallelRuntime):
             self.tp_info = TensorParallelInfo(replicated=[n for n, _ in model.named_parameters()])
         if materialize is not None:
             materialize(model, self.tp_info)
-        stage = PipelineStage(model, model, held)
+        stage = PipelineStage(model, held)
         missing = [n for n, p in stage.named_parameters() if p.is_meta]
         if missing:
             raise RuntimeError(f"stage {self.stage} holds parameters still on the meta device: {missing[:3]}; "
@@ -158,9 +145,9 @@ class PipelineRuntime(ParallelRuntime):
         program = self._program(model, micro_batches, scales, autocast)
         specs = [MicroBatch(**spec) for spec in program.specs()]
         key = tuple((s.laps, s.grad_laps, s.active) for s in specs)
-        if key not in self._schedules:
-            self._schedules = {key: ring_schedule(specs, self.pp, max_in_flight=self.in_flight * self.pp)[self.stage]}
-        self._executor(program).run(self._schedules[key], specs)
+        if self._schedule[0] != key:
+            self._schedule = key, ring_schedule(specs, self.pp, max_in_flight=self.in_flight * self.pp)[self.stage]
+        self._executor(program).run(self._schedule[1], specs)
         timer.add("forward", t0, timer.mark())
         return [self._result(program, mb) for mb in range(len(specs))]
 

@@ -257,7 +257,8 @@ class LoopedStageProgram:
         """Micro-batch `mb`'s telemetry with LoopedLM.forward's keys: rho_A (rho_W1) on rank 0, state_norm and
         recurrent_residual on the last rank, zero elsewhere; the lap counts and core rows on every rank."""
         plan, model = self.plans[mb], self.model
-        out = {"executed_steps": plan.laps, "useful_steps": int(np.sum(self._depths(mb))), "core_rows": plan.core_rows}
+        # the ragged loop runs each row its own depth: the sum of the depths is the core rows
+        out = {"executed_steps": plan.laps, "useful_steps": plan.core_rows, "core_rows": plan.core_rows}
         if model.injection is None:
             return out
         zero = torch.zeros((), dtype=torch.float64)
@@ -266,11 +267,6 @@ class LoopedStageProgram:
         if model.cfg.injection == "concat":
             out["rho_W1"] = out["rho_A"]
         return out
-
-    def _depths(self, mb: int) -> np.ndarray:
-        batch = self.batches[mb]
-        return DepthPlan.make(self.model._default_depth(batch.depth, batch.input_ids.shape[0]), batch.backprop_depth,
-                              batch.input_ids.shape[0]).total
 
     def message_shape(self, mb: int, lap: int) -> tuple[int, ...]:
         """(rows active in lap `lap`, sequence, width)."""
