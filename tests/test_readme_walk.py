@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.process_group import run_group
+
 REPO = Path(__file__).resolve().parents[1]
 SKIP_MARK = re.compile(r"<!--\s*readme-walk:\s*skip\s*\((?P<reason>[^)]*)\)\s*-->")
 WALK_CORPUS = ["Doyle_Lost_1912.txt", "Kipling_Light_1891.txt"]  # 0.8 MB of data/sample_corpus
@@ -147,7 +149,7 @@ def test_every_readme_bash_block_runs(tmp_path):
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_NTASKS", "SLURM_PROCID", "VIRTUAL_ENV")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    done = subprocess.run(["bash", str(tmp_path / "walk.sh")], cwd=copy, env=env, capture_output=True, text=True,
+    done = run_group(["bash", str(tmp_path / "walk.sh")], cwd=copy, env=env, capture_output=True, text=True,
                           timeout=900)
     log = done.stdout + done.stderr
     print("\n".join(l for l in log.splitlines() if l.startswith(("### ", "$ ", "megaloop", "readme-walk", "quickstart",

@@ -13,6 +13,7 @@ import pytest
 from data_prep.prepare import ShardOptions, prepare_shards
 
 from dp_testing import SEQ_LEN
+from tests.process_group import run_group
 
 REPO = Path(__file__).resolve().parents[2]
 MPIRUN = shutil.which("mpirun")
@@ -28,7 +29,7 @@ def _mpirun(ranks: int, *args: str) -> subprocess.CompletedProcess:
     command = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-n", str(ranks), sys.executable, "-m",
                "data_prep", "shards", *args]
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=REPO, env=env)
+    return run_group(command, capture_output=True, text=True, timeout=180, cwd=REPO, env=env)
 
 
 def _files(directory: Path) -> dict[str, bytes]:

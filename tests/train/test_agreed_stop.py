@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.pipeline.spawn import free_port
+from tests.pipeline.spawn import die_with_parent, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "parcae-tiny.yaml"
@@ -38,17 +38,26 @@ def launch(cmd: list[str], world: int, log_dir: Path) -> list[subprocess.Popen]:
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
         log = open(log_dir / f"rank{rank}.log", "w")
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                      preexec_fn=die_with_parent))
     return procs
 
 
 def wait_all(procs, timeout: float) -> list[int | None]:
+    """The exit codes of procs after at most `timeout` seconds; a rank still running then is killed (its code is
+    -9), and so is every rank when the wait is interrupted (pytest-timeout, Ctrl-C)."""
     deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            pass
+    try:
+        for p in procs:
+            try:
+                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     return [p.poll() for p in procs]
 
 

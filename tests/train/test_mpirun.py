@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 
 import pytest
 
+from tests.process_group import run_group
 from tests.train.test_agreed_stop import REPO, command, launch, train_losses, wait_all
 
 
@@ -22,7 +22,7 @@ def test_mpirun_equals_env_launch(tiny_shards, tmp_path):
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     mpirun = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", "4", "-x", "OMP_NUM_THREADS", "-x",
               "PYTHONPATH"]
-    done = subprocess.run(mpirun + command(tiny_shards, tmp_path / "mpi", tp=2), cwd=REPO, env=env,
+    done = run_group(mpirun + command(tiny_shards, tmp_path / "mpi", tp=2), cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     reference, got = train_losses(tmp_path / "env"), train_losses(tmp_path / "mpi")
