@@ -1,4 +1,5 @@
-"""megaloop command line: `python -m megaloop train|check|flops|launch|plan CONFIG [--set key=value ...]`."""
+"""megaloop command line: `python -m megaloop train|check|flops|launch|plan CONFIG [--set key=value ...]`, and
+`python -m megaloop peak` (the CPU peak MFU divides by)."""
 from __future__ import annotations
 
 import argparse
@@ -26,6 +27,9 @@ def _parser() -> argparse.ArgumentParser:
     add_arguments(_config_args(sub.add_parser("plan", help=plan, description=plan + ", e.g. `python -m megaloop "
                                               "plan configs/parcae-1_3b.yaml --gpu h100 --nodes 1 "
                                               "--gpus-per-node 8`")))
+    from megaloop.train import peak_cli
+
+    peak_cli.add_arguments(sub.add_parser("peak", help=peak_cli.HELP, description=peak_cli.HELP))
     return ap
 
 
@@ -62,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
             return _flops(load_config(args.config, args.overrides, validate=False))
         if args.command == "launch":
             return _launch(args)
+        if args.command == "peak":
+            from megaloop.train.peak_cli import run_peak
+
+            return run_peak(args)
         if args.command == "plan":
             from megaloop.plan.cli import run_plan
 

@@ -1,6 +1,7 @@
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,9 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("MEGALOOP_SHARED", REPO.parent / "shared"))
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+# the CPU peaks that training runs measure go to a cache of this session (inherited by every process it starts):
+# measured while the suite loads the cores, they would be low, and they must not stay in the user's cache
+os.environ.setdefault("MEGALOOP_CACHE_DIR", tempfile.mkdtemp(prefix="megaloop-test-cache-"))
 
 
 @pytest.fixture(scope="session")

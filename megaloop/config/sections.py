@@ -74,7 +74,7 @@ class TrainConfig:
     steps: int = 1000
     out_dir: str = "runs/default"
     seed: int = 0
-    precision: str = "bf16"  # bf16 | fp32 | fp64 (verification; see megaloop/train/precision.py)
+    precision: str = "auto"  # auto (bf16 where native, else fp32) | bf16 | fp32 | fp64 (see train/precision.py)
     device: str = "auto"  # auto | cpu | cuda
     log_every: int = 1
     val_every: int = 100
@@ -90,7 +90,7 @@ class TrainConfig:
     def validate(self) -> None:
         if self.steps < 1:
             raise ConfigError("train.steps", self.steps, "must be >= 1")
-        check_choice("train.precision", self.precision, ("bf16", "fp32", "fp64"))
+        check_choice("train.precision", self.precision, ("auto", "bf16", "fp32", "fp64"))
         check_choice("train.device", self.device, ("auto", "cpu", "cuda"))
         check_choice("train.activation_checkpointing", self.activation_checkpointing, ("none", "block", "lap"))
         for name in ("log_every", "val_every"):

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from megaloop.config.errors import ConfigError
@@ -144,6 +144,10 @@ class Config:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def with_precision(self, precision: str) -> "Config":
+        """A copy with train.precision set (how `auto` is resolved once the device is known)."""
+        return replace(self, train=replace(self.train, precision=precision))
 
 
 def _manifest_vocab_size(info: dict) -> int | None:

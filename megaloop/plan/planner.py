@@ -120,7 +120,10 @@ class Plan:
 
 def make_plan(cfg: Config, gpu: Gpu, world: int, in_flight: int = IN_FLIGHT_PER_STAGE) -> Plan:
     """The plan of `cfg` on `world` GPUs of type `gpu` (raises ConfigError for a layout that cannot run); under
-    pp > 1 the ring schedule keeps at most `in_flight` x pp micro-batches in flight."""
+    pp > 1 the ring schedule keeps at most `in_flight` x pp micro-batches in flight. train.precision=auto is planned
+    as bf16: every GPU the planner knows computes bf16 natively."""
+    if cfg.train.precision == "auto":
+        cfg = cfg.with_precision("bf16")
     layout = resolve_layout(cfg, world)
     n_params = count_parameters(build_model(cfg.model, device="meta"))
     params = local_params(cfg, layout.tp)

@@ -59,15 +59,27 @@ def format_summary(cfg: Config, s) -> str:
         loss = "n/a" if not math.isfinite(v["val_loss"]) else f"{v['val_loss']:.4f}"
         bpb = "n/a" if not math.isfinite(v["val_bpb"]) else f"{v['val_bpb']:.3f}"
         lines.append(f"{depth:>4} {loss:>9} {bpb:>8}")
-    peak = s.peak_tflops
     lines += [
+        f"precision             {s.precision} ({s.precision_why})",
         f"tokens/s              {s.tokens_per_s:,.0f}",
         f"useful TFLOP/s        {tf(s.useful_flops):.4f}",
         f"executed TFLOP/s      {tf(s.executed_flops):.4f}",
-        f"peak TFLOP/s          {peak:.3f} ({s.peak_source})",
-        f"MFU (useful/peak)     {100 * tf(s.useful_flops) / peak:.1f}%" if math.isfinite(peak) else "MFU n/a",
+        f"peak TFLOP/s          {s.peak_tflops:.4f} ({s.peak_source})",
+        f"MFU (useful/peak)     {format_mfu(tf(s.useful_flops), tf(s.executed_flops), s)}",
     ]
     return "\n".join(lines)
+
+
+def format_mfu(useful_tflops: float, executed_tflops: float, s) -> str:
+    """The run's MFU in percent, or why there is none: never a figure above 100%, since a rate above the peak
+    means the peak was measured low (the CPU was busy then)."""
+    peak = s.peak_tflops
+    if not math.isfinite(peak) or not math.isfinite(useful_tflops):
+        return "n/a"
+    if executed_tflops > peak or s.peak_unreliable_steps:
+        return (f"n/a (unreliable: {s.peak_unreliable_steps} steps ran faster than the measured peak, which was "
+                "measured while the CPU was busy; `python -m megaloop peak --refresh` on an idle machine)")
+    return f"{100 * useful_tflops / peak:.1f}%"
 
 
 def check_before_training(cfg: Config) -> None:

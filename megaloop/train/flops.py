@@ -1,4 +1,4 @@
-"""Theoretical FLOPs of a looped LM (the paper's Eq. 14 plus attention) and the peak table for MFU.
+"""Theoretical FLOPs of a looped LM (the paper's Eq. 14 plus attention); the peaks MFU divides by are in peak.py.
 
 Per token, with S the sequence length and a sequence that runs n steps without and k steps with gradient:
   non-loop matmuls (prelude, coda, C, the tied head)   6 N_nc
@@ -12,21 +12,11 @@ uses what ran: every sequence of a micro-batch runs max(n) and max(k) steps.
 """
 from __future__ import annotations
 
-import functools
-import time
 from dataclasses import dataclass
 
 import torch
 
 from megaloop.config.model import ModelConfig
-
-# Dense peaks in TFLOP/s (NVIDIA's sparsity figures halved).
-PEAK_TFLOPS = {
-    ("H100", "bf16"): 989.4, ("H100", "fp8"): 1978.9,
-    ("H200", "bf16"): 989.4, ("H200", "fp8"): 1978.9,
-    ("A100", "bf16"): 312.0, ("A100", "fp32"): 19.5,
-}
-
 
 def _block_matmul_params(cfg: ModelConfig) -> int:
     d, hd = cfg.d_model, cfg.head_dim
@@ -97,36 +87,3 @@ def _ve_gate_params(cfg: ModelConfig, layers) -> int:
     if not cfg.value_embeds:
         return 0
     return sum(cfg.kv_heads * cfg.ve_gate_channels for i in layers if has_value_embedding(i, cfg.n_layers))
-
-
-CPU_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
-
-
-@functools.lru_cache(maxsize=None)
-def measure_cpu_peak_tflops(dtype: torch.dtype, size: int = 2048, seconds: float = 0.5) -> float:
-    """A short matmul benchmark: the best sustained TFLOP/s for `dtype` on this machine's CPU threads (measured once
-    per process and dtype: runs started from one process, as in the tests, share it)."""
-    a = torch.randn(size, size).to(dtype)
-    b = torch.randn(size, size).to(dtype)
-    a @ b
-    best, t_end = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < t_end:
-        t0 = time.perf_counter()
-        for _ in range(4):
-            a @ b
-        dt = time.perf_counter() - t0
-        best = max(best, 4 * 2 * size ** 3 / dt / 1e12)
-    return best
-
-
-def device_peak_tflops(device: torch.device, precision: str) -> tuple[float, str]:
-    """(peak TFLOP/s, where it came from) for MFU: the table for known GPUs, a measurement on CPU."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for (gpu, prec), peak in PEAK_TFLOPS.items():
-            if gpu in name and prec == precision:
-                return peak, f"table ({gpu} {prec} dense)"
-        return float("nan"), f"no peak known for {name!r} {precision}"
-    other = "fp32" if precision != "fp32" else "bf16"
-    peaks = {name: measure_cpu_peak_tflops(CPU_DTYPES[name]) for name in (precision, other)}
-    return peaks[precision], f"measured CPU {precision} matmul at start-up; {other}: {peaks[other]:.3f}"

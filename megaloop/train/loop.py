@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -17,8 +16,10 @@ from megaloop.optim import build_optimizer
 from megaloop.train.build import held_parameters
 from megaloop.train.data import open_data
 from megaloop.train.evaluate import default_val_depths, final_val_depths, validation_losses
-from megaloop.train.flops import FlopModel, device_peak_tflops
-from megaloop.train.precision import apply_optimizer_precision, param_dtype
+from megaloop.train.flops import FlopModel
+from megaloop.train.hardware import bf16_support
+from megaloop.train.peak import PeakGuard, cpu_peak
+from megaloop.train.precision import PrecisionChoice, apply_optimizer_precision, param_dtype, resolve_precision
 from megaloop.train.metrics import MetricsWriter
 from megaloop.train.progress import Progress
 from megaloop.train.step import reduce_step, train_step
@@ -39,6 +40,9 @@ class RunSummary:
     executed_flops: float = 0.0
     peak_tflops: float = float("nan")
     peak_source: str = ""
+    peak_unreliable_steps: int = 0  # steps that ran faster than the peak (MFU not reported for them)
+    precision: str = ""
+    precision_why: str = ""
     n_params: int = 0
     is_main: bool = True
     val: dict = field(default_factory=dict)
@@ -73,15 +77,17 @@ def train(cfg: Config, runtime=None) -> RunSummary:
     from megaloop.train.runtime import make_runtime
 
     device = resolve_device(cfg.train.device)
+    choice = choose_precision(cfg, device)
+    cfg = cfg.with_precision(choice.precision)  # from here on the run's precision is concrete, never "auto"
     owns_runtime = runtime is None
     runtime = runtime or make_runtime(cfg, device)
     out_dir = Path(cfg.train.out_dir)
     data = open_data(cfg, runtime.dp_rank, runtime.dp_size)  # fails early on bad data, before the model
-    model, optimizer = build_model_and_optimizer(cfg, runtime, device)
+    model, optimizer = build_model_and_optimizer(cfg, runtime, device, choice.native_bf16)
     ckpt = RunCheckpoints(cfg, runtime)
     try:
         start = ckpt.restore(model, optimizer, data)
-        summary = _run(cfg, runtime, model, optimizer, data, ckpt, start, device)
+        summary = _run(cfg, runtime, model, optimizer, data, ckpt, start, device, choice)
     finally:
         ckpt.close()
         data.close()
@@ -93,11 +99,22 @@ def train(cfg: Config, runtime=None) -> RunSummary:
     return summary
 
 
-def build_model_and_optimizer(cfg: Config, runtime, device: torch.device):
+def choose_precision(cfg: Config, device: torch.device) -> PrecisionChoice:
+    """train.precision on this device (auto resolved), with a warning when bf16 is asked for where it is emulated."""
+    def slowdown() -> float:  # both peaks are cached per machine: measured once, about 2 s each
+        return cpu_peak("fp32").tflops / cpu_peak("bf16").tflops
+
+    return resolve_precision(cfg.train.precision, device, slowdown)
+
+
+def build_model_and_optimizer(cfg: Config, runtime, device: torch.device, native_bf16: bool | None = None):
     """The model as the runtime runs it (split, wrapped) and its optimizer, distributed as the layout needs. Under
     tensor or pipeline parallelism the model is built on the meta device and each rank materialises only what it
-    holds (its tensor-parallel pieces of its pipeline stage's parameters)."""
+    holds (its tensor-parallel pieces of its pipeline stage's parameters). native_bf16: the device computes bf16
+    natively (Muon's Polar Express runs in bf16 then, else in fp32); None: ask the device."""
     precision = cfg.train.precision
+    if native_bf16 is None:
+        native_bf16 = bf16_support(device).native
     if runtime.tp_size > 1 or runtime.pp_size > 1:
         model = build_model(cfg.model, device="meta").to(param_dtype(precision))
         model.set_execution(cfg.train.activation_checkpointing, cfg.train.compile)
@@ -109,20 +126,21 @@ def build_model_and_optimizer(cfg: Config, runtime, device: torch.device):
         model = runtime.prepare_model(model)
     parts = runtime.optimizer_parts() if hasattr(runtime, "optimizer_parts") else None
     optimizer = build_optimizer(model.named_parameters(), cfg.optim, cfg.train.steps, parts=parts)
-    return model, runtime.prepare_optimizer(apply_optimizer_precision(optimizer, precision))
+    return model, runtime.prepare_optimizer(apply_optimizer_precision(optimizer, precision, native_bf16))
 
 
-def _run(cfg, runtime, model, optimizer, data, ckpt, start, device) -> RunSummary:
+def _run(cfg, runtime, model, optimizer, data, ckpt, start, device, choice: PrecisionChoice) -> RunSummary:
     """Steps start .. train.steps (or until an agreed stop), the checkpoints, then the final validation."""
     out_dir = Path(cfg.train.out_dir)
     sampler = make_sampler(cfg.model.depth_sampler, cfg.model.mu_rec, cfg.model.backprop_depth, seed=cfg.train.seed)
     # counted on the meta device from the config: under tensor parallelism `model` holds only this rank's shard
     summary = RunSummary(n_params=count_parameters(build_model(cfg.model, device="meta")), is_main=runtime.is_main,
                          start_step=start, steps_done=start, resumed_from=ckpt.resumed_from)
-    peak, source = device_peak_tflops(device, cfg.train.precision)
-    summary.peak_tflops = peak * runtime.world_size  # the job's peak: every process's device
-    summary.peak_source = source if runtime.world_size == 1 else f"{runtime.world_size} x {peak:.3f}, {source}"
+    guard = PeakGuard(device, cfg.train.precision, runtime.world_size)
+    _note_peak(summary, guard)
+    summary.precision, summary.precision_why = choice.precision, choice.why
     if runtime.is_main:
+        _print_header(cfg, runtime, summary, choice)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     writer = MetricsWriter(out_dir, enabled=runtime.is_main)
@@ -137,7 +155,8 @@ def _run(cfg, runtime, model, optimizer, data, ckpt, start, device) -> RunSummar
     try:
         with StopRequests(deadline_from(cfg.train.time_limit_s)) as flag:
             _run_steps(cfg, model, optimizer, sampler, FlopModel.of(cfg.model), data, runtime, writer, progress,
-                       summary, flag, val_depths, ckpt)
+                       summary, flag, val_depths, ckpt, guard)
+            _note_peak(summary, guard)
             if summary.steps_done > start:
                 ckpt.save(summary.steps_done, model, optimizer, data, summary.tokens, wait=True)
             if summary.interrupted:  # before any rank can exit (a launcher may then signal the others)
@@ -157,8 +176,26 @@ def _run(cfg, runtime, model, optimizer, data, ckpt, start, device) -> RunSummar
     return summary
 
 
+def _note_peak(summary: RunSummary, guard: PeakGuard) -> None:
+    """The job's peak (every process's device) into the summary, as the guard holds it now."""
+    peak, n = guard.peak, guard.world_size
+    summary.peak_tflops = guard.job_tflops
+    summary.peak_source = peak.source if n == 1 else f"{n} x {peak.tflops:.4f}, {peak.source}"
+    summary.peak_unreliable_steps = guard.unreliable_steps
+
+
+def _print_header(cfg: Config, runtime, summary: RunSummary, choice: PrecisionChoice) -> None:
+    """One line before the first step: what runs where, in which precision and why, against which peak."""
+    layout = runtime.describe_layout()
+    print(f"megaloop: train {cfg.train.out_dir}: {summary.n_params / 1e6:.2f}M params, tp={layout['tp']} "
+          f"pp={layout.get('pp', 1)} dp={layout['dp']}, {choice.header()}; peak {summary.peak_tflops:.4f} TFLOP/s "
+          f"({summary.peak_source})", file=sys.stderr, flush=True)
+    if choice.warning:
+        print(f"megaloop: warning: {choice.warning}", file=sys.stderr, flush=True)
+
+
 def _run_steps(cfg, model, optimizer, sampler, flop_model, data, runtime, writer, progress, summary, flag,
-               val_depths, ckpt) -> None:
+               val_depths, ckpt, guard) -> None:
     model.train()
     batches = data.train_batches()
     consecutive_skips = 0
@@ -173,7 +210,7 @@ def _run_steps(cfg, model, optimizer, sampler, flop_model, data, runtime, writer
         seq = batch["tokens"].shape[1] - 1
         figures = reduce_step(stats, runtime, flop_model, seq, flag.local_code())  # the step's one reduction
         dt = time.perf_counter() - t0
-        record = _train_record(step, stats, figures, t_data, dt, summary, optimizer)
+        record = _train_record(step, stats, figures, t_data, dt, summary, optimizer, guard)
         summary.steps_done = step + 1
         summary.losses.append(record["loss"])
         if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1:
@@ -205,7 +242,7 @@ def _run_steps(cfg, model, optimizer, sampler, flop_model, data, runtime, writer
             progress.note(" ".join(f"T{t}:{v['val_loss']:.3f}" for t, v in val.items()))
 
 
-def _train_record(step, stats, figures, t_data, dt, summary, optimizer) -> dict:
+def _train_record(step, stats, figures, t_data, dt, summary, optimizer, guard: PeakGuard) -> dict:
     """The step's metrics record from its job-wide figures (no further communication)."""
     rec, tokens = stats.record, figures.tokens
     useful, executed = figures.useful_flops, figures.executed_flops
@@ -214,7 +251,7 @@ def _train_record(step, stats, figures, t_data, dt, summary, optimizer) -> dict:
     summary.useful_flops += useful
     summary.executed_flops += executed
     summary.skipped = optimizer.num_skipped
-    peak = summary.peak_tflops * 1e12
+    mfu, hfu = guard.utilisation(useful / dt, executed / dt)  # NaN, never above 100%, when the peak is too low
     tel = figures.telemetry
     return {
         "kind": "train", "step": step, "loss": figures.loss, "lr": rec.matrix_lr, "grad_norm": float(rec.grad_norm),
@@ -223,8 +260,7 @@ def _train_record(step, stats, figures, t_data, dt, summary, optimizer) -> dict:
         "recurrent_residual": tel["recurrent_residual"], "mean_depth": figures.mean_depth,
         "executed_depth": figures.executed_depth, "idle_fraction": figures.idle_fraction,
         "useful_flops": useful, "executed_flops": executed,
-        "mfu": useful / dt / peak if math.isfinite(peak) else float("nan"),
-        "hfu": executed / dt / peak if math.isfinite(peak) else float("nan"),
+        "mfu": mfu, "hfu": hfu,
         "time_data": t_data, "time_forward": stats.times["forward"], "time_backward": stats.times["backward"],
         "time_optimizer": stats.times["optimizer"], "time_step": dt,
     }

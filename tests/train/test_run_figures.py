@@ -33,7 +33,8 @@ def test_all_skipped_steps_stop_the_run_with_the_cause(tiny_shards, tmp_path, mo
     monkeypatch.setattr(combined, "clip_grads", lambda *a, **k: float("nan"))  # every gradient norm non-finite
     cfg = load_config(TINY, fast_overrides(tiny_shards, tmp_path, steps=50) + ["train.max_consecutive_skips=4"])
     rc = run_training(cfg)
-    err = capsys.readouterr().err.strip().splitlines()
+    header, *err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1
+    assert header.startswith(f"megaloop: train {tmp_path}: ") and "precision fp32 (set in the config" in header
     assert len(err) == 1 and "stopped at step 3" in err[0] and "the last 4 steps were all skipped" in err[0]
     assert "learning rate" in err[0] and "Traceback" not in err[0]

@@ -1,0 +1,198 @@
+"""The peak TFLOP/s that MFU divides by: NVIDIA's dense figures for known GPUs, a cached measurement on CPU.
+
+A CPU has no published peak, so it is measured: square matmuls in the run's dtype on the process's threads, the best
+of repeated short trials (at most ~2 s in all; the matrix grows until one product takes ~20 ms, so a dtype that the
+CPU emulates, bf16 without AVX512-BF16, gets a small one). It is measured once per machine: the result is cached
+under ~/.cache/megaloop/cpu_peak.json (XDG_CACHE_HOME, or MEGALOOP_CACHE_DIR, moves it), keyed by CPU model,
+instruction sets, thread count, dtype and torch version, so training processes start without measuring. A file lock
+makes the processes of one node measure one at a time (one measures, the others read its result), so they do not
+slow each other's trial down. `python -m megaloop peak [--refresh]` shows and re-measures the cache.
+
+A peak measured while other work shared the cores is too low, and MFU above 100% would follow: `PeakGuard` watches
+each step's achieved rate, re-measures once when it exceeds the peak (keeping the higher value), and reports the
+figure as unreliable (NaN, never a number above 100%) if it still does.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Dense peaks in TFLOP/s (NVIDIA's sparsity figures halved).
+PEAK_TFLOPS = {
+    ("H100", "bf16"): 989.4, ("H100", "fp8"): 1978.9,
+    ("H200", "bf16"): 989.4, ("H200", "fp8"): 1978.9,
+    ("A100", "bf16"): 312.0, ("A100", "fp32"): 19.5,
+}
+CPU_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
+TRIAL_SECONDS = 0.02  # the matrix grows until one product takes this long (or MAX_SIZE)
+MAX_SIZE = 2048
+BUDGET_SECONDS = 1.2  # the trials' total, after the sizing
+
+
+@dataclass(frozen=True)
+class Measurement:
+    tflops: float
+    size: int
+    trials: int
+    seconds: float
+
+
+def measure_cpu_peak(dtype: torch.dtype, budget_s: float = BUDGET_SECONDS) -> Measurement:
+    """The best TFLOP/s of square `dtype` matmuls on this process's threads within about budget_s seconds."""
+    t_start = time.perf_counter()
+    size, dt = 64, 0.0
+    while True:
+        a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+        a @ b  # warm the kernel for this shape
+        t0 = time.perf_counter()
+        a @ b
+        dt = time.perf_counter() - t0
+        if dt >= TRIAL_SECONDS or size >= MAX_SIZE:
+            break
+        size *= 2
+    best, trials, t_end = 2 * size ** 3 / dt, 1, time.perf_counter() + budget_s
+    while time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        a @ b
+        best = max(best, 2 * size ** 3 / (time.perf_counter() - t0))
+        trials += 1
+    return Measurement(best / 1e12, size, trials, time.perf_counter() - t_start)
+
+
+def cache_dir() -> Path:
+    if os.environ.get("MEGALOOP_CACHE_DIR"):
+        return Path(os.environ["MEGALOOP_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "megaloop"
+
+
+def cache_key(precision: str, threads: int | None = None) -> str:
+    from megaloop.train.hardware import cpu_isa, cpu_name
+
+    threads = threads or torch.get_num_threads()
+    return f"{cpu_name()} | {cpu_isa()} | {threads} threads | {precision} | " \
+           f"torch {torch.__version__}"
+
+
+class PeakCache:
+    """The per-machine JSON file of measured CPU peaks; read and written under an exclusive lock."""
+
+    def __init__(self, directory: Path | None = None):
+        self.dir = Path(directory) if directory is not None else cache_dir()
+        self.path = self.dir / "cpu_peak.json"
+
+    @contextlib.contextmanager
+    def locked(self):
+        """Hold the cache's lock (one measuring process per machine at a time); without a writable cache
+        directory, nothing is locked or stored and peaks are measured in-process."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            handle = open(self.dir / "cpu_peak.lock", "a")
+        except OSError:
+            yield False
+            return
+        with handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield True
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def entries(self) -> dict:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}  # none yet, or unreadable: measured again and rewritten
+        return data if isinstance(data, dict) else {}
+
+    def store(self, key: str, m: Measurement, keep_higher: bool) -> float:
+        """Record `m` under `key` (the higher of it and the cached value if keep_higher); returns the value kept."""
+        entries = self.entries()
+        old = entries.get(key, {}).get("tflops", 0.0)
+        if keep_higher and old >= m.tflops:
+            return old
+        entries[key] = {"tflops": m.tflops, "matrix": m.size, "trials": m.trials, "seconds": round(m.seconds, 3),
+                        "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
+        tmp.replace(self.path)
+        return m.tflops
+
+
+@dataclass(frozen=True)
+class Peak:
+    """A peak in TFLOP/s and where it came from (for the run header and the summary)."""
+
+    tflops: float
+    source: str
+    measured_s: float = 0.0  # time spent measuring now (0 from the table or the cache)
+
+
+def cpu_peak(precision: str, refresh: bool = False, keep_higher: bool = False, cache: PeakCache | None = None) -> Peak:
+    """The CPU peak for `precision` on this process's threads: the cached value, or measured (and cached) when there
+    is none or `refresh` is set (keep_higher: a re-measurement never lowers the cached value)."""
+    cache = cache or PeakCache()
+    key = cache_key(precision)
+    with cache.locked() as writable:
+        hit = None if refresh else cache.entries().get(key)
+        if hit and hit.get("tflops", 0) > 0:
+            return Peak(hit["tflops"], f"CPU {precision} matmul measured {hit.get('measured', '?')}, cached in "
+                                       f"{cache.path}")
+        m = measure_cpu_peak(CPU_DTYPES[precision])
+        if not writable:
+            return Peak(m.tflops, f"CPU {precision} matmul measured now in {m.seconds:.1f} s (not cached: "
+                                  f"{cache.dir} is not writable)", m.seconds)
+        value = cache.store(key, m, keep_higher)
+        kept = "" if value == m.tflops else f"; kept the higher cached {value:.4f}"
+        return Peak(value, f"CPU {precision} matmul measured now in {m.seconds:.1f} s ({m.tflops:.4f}{kept}), "
+                           f"cached in {cache.path}", m.seconds)
+
+
+def device_peak(device: torch.device, precision: str) -> Peak:
+    """The peak of one process's device for MFU: the table for known GPUs, the cached measurement on CPU."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for (gpu, prec), peak in PEAK_TFLOPS.items():
+            if gpu in name and prec == precision:
+                return Peak(peak, f"table ({gpu} {prec} dense)")
+        return Peak(float("nan"), f"no peak known for {name!r} {precision}")
+    return cpu_peak(precision)
+
+
+class PeakGuard:
+    """Keeps MFU honest: the job's peak (one process's times world_size), re-measured once on CPU when a step's
+    achieved rate exceeds it; a rate still above the peak makes that step's MFU unreliable (NaN)."""
+
+    def __init__(self, device: torch.device, precision: str, world_size: int, measure: bool = True):
+        self.device, self.precision, self.world_size = device, precision, world_size
+        self.peak = device_peak(device, precision) if measure else Peak(float("nan"), "not measured on this rank")
+        self.remeasured = False
+        self.unreliable_steps = 0
+
+    @property
+    def job_tflops(self) -> float:
+        return self.peak.tflops * self.world_size
+
+    def utilisation(self, useful_per_s: float, executed_per_s: float) -> tuple[float, float]:
+        """(MFU, HFU): useful and executed FLOP/s over the job's peak; both NaN when the peak is unknown or below
+        the executed rate (after one re-measurement on CPU)."""
+        peak = self.job_tflops * 1e12
+        if not math.isfinite(peak):
+            return float("nan"), float("nan")
+        if executed_per_s > peak and self.device.type == "cpu" and not self.remeasured:
+            self.remeasured = True
+            fresh = cpu_peak(self.precision, refresh=True, keep_higher=True)
+            self.peak = Peak(fresh.tflops, fresh.source + " (re-measured: a step ran faster than the peak found "
+                                                          "first)", fresh.measured_s)
+            peak = self.job_tflops * 1e12
+        if executed_per_s > peak:
+            self.unreliable_steps += 1
+            return float("nan"), float("nan")
+        return useful_per_s / peak, executed_per_s / peak
