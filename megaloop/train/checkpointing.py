@@ -13,7 +13,8 @@ Where a run starts (:meth:`RunCheckpoints.restore`):
      re-running the same command continues a run (a job requeued after a preemption does exactly this);
   2. otherwise checkpoint.resume (another run's checkpoint: a step directory or a checkpoint root), with
      checkpoint.load_optimizer=false for the weights only (a fresh optimizer, data and schedule from step 0);
-  3. otherwise from scratch, refused when train.out_dir already holds a run (its metrics would be mixed in).
+  3. otherwise from scratch; an out_dir that holds the metrics of an attempt that committed no checkpoint starts
+     afresh with those metrics set aside (megaloop.train.rerun), one that holds a COMPLETED run is refused.
 """
 from __future__ import annotations
 
@@ -161,11 +162,24 @@ class RunCheckpoints:
         return found
 
     def _refuse_used_out_dir(self) -> None:
+        """A fresh start in an out_dir that holds metrics but no checkpoint: refused when that run COMPLETED (its
+        record must stay); otherwise the earlier attempt ended before its first checkpoint (killed, a data error),
+        so its metrics are set aside and the run starts afresh, as re-running the same command promises."""
+        from megaloop.train.rerun import set_aside_metrics
+
         out = Path(self.cfg.train.out_dir)
-        if self.runtime.all_gather_object((out / "metrics.jsonl").exists())[0]:
-            raise ResumeError(f"train.out_dir={str(out)!r} already holds a run (metrics.jsonl) and no checkpoint "
-                              f"to continue it from ({self.root}): choose another train.out_dir, or delete "
-                              f"{str(out)!r} to start over")
+        used, completed = self.runtime.all_gather_object(((out / "metrics.jsonl").exists(),
+                                                          (out / "COMPLETED").exists()))[0]
+        if used and completed:
+            raise ResumeError(f"train.out_dir={str(out)!r} already holds a completed run (COMPLETED, metrics.jsonl) "
+                              f"and no checkpoint to continue it from ({self.root}): choose another train.out_dir, "
+                              f"or delete {str(out)!r} to start over")
+        if used:
+            if self.runtime.is_main:
+                aside = set_aside_metrics(out)
+                self._note(f"{str(out)!r} holds an attempt that committed no checkpoint: starting the run afresh "
+                           f"(its metrics are kept as {aside})")
+            self.runtime.barrier()  # no rank starts writing before the old metrics are out of the way
 
     def _open_verified(self, candidates: list[Path]):
         """The newest candidate whose files verify on every rank (each rank checks a share of the arrays);

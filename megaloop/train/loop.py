@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +30,8 @@ class RunSummary:
     start_step: int = 0  # where this job started (a resumed run's checkpoint step)
     resumed_from: str | None = None
     stop_reason: str | None = None
-    tokens: int = 0  # tokens trained by this job
+    tokens: int = 0  # the run's tokens (resumed ones included), the same span as steps_done
+    job_tokens: int = 0  # tokens trained by this job (what tokens_per_s divides by train_time_s)
     skipped: int = 0
     interrupted: bool = False
     train_time_s: float = 0.0
@@ -46,7 +46,7 @@ class RunSummary:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens / self.train_time_s if self.train_time_s else 0.0
+        return self.job_tokens / self.train_time_s if self.train_time_s else 0.0
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -70,6 +70,7 @@ def resolve_device(name: str) -> torch.device:
 def train(cfg: Config, runtime=None) -> RunSummary:
     """Run (or continue) cfg.train.steps optimizer steps. All outputs go under cfg.train.out_dir."""
     from megaloop.train.checkpointing import RunCheckpoints
+    from megaloop.train.rerun import recorded_summary
     from megaloop.train.runtime import make_runtime
 
     device = resolve_device(cfg.train.device)
@@ -79,16 +80,19 @@ def train(cfg: Config, runtime=None) -> RunSummary:
     data = open_data(cfg, runtime.dp_rank, runtime.dp_size)  # fails early on bad data, before the model
     model, optimizer = build_model_and_optimizer(cfg, runtime, device)
     ckpt = RunCheckpoints(cfg, runtime)
+    idle = False
     try:
         start = ckpt.restore(model, optimizer, data)
-        summary = _run(cfg, runtime, model, optimizer, data, ckpt, start, device)
+        idle = start >= cfg.train.steps  # nothing to do: the run's files stay as they are
+        summary = (recorded_summary(cfg, runtime, start, ckpt.tokens_before) if idle else
+                   _run(cfg, runtime, model, optimizer, data, ckpt, start, device))
     finally:
         ckpt.close()
         data.close()
         del model, optimizer  # tensor-parallel layers and distributed optimizers hold process groups: free them
         if owns_runtime:      # before the runtime tears the groups down (see pipeline.layout.destroy_layout)
             runtime.close()
-    if runtime.is_main:
+    if runtime.is_main and not idle:
         (out_dir / "summary.json").write_text(json.dumps(summary.as_dict(), indent=2))
     return summary
 
@@ -118,7 +122,8 @@ def _run(cfg, runtime, model, optimizer, data, ckpt, start, device) -> RunSummar
     sampler = make_sampler(cfg.model.depth_sampler, cfg.model.mu_rec, cfg.model.backprop_depth, seed=cfg.train.seed)
     # counted on the meta device from the config: under tensor parallelism `model` holds only this rank's shard
     summary = RunSummary(n_params=count_parameters(build_model(cfg.model, device="meta")), is_main=runtime.is_main,
-                         start_step=start, steps_done=start, resumed_from=ckpt.resumed_from)
+                         start_step=start, steps_done=start, resumed_from=ckpt.resumed_from,
+                         tokens=ckpt.tokens_before)
     peak, source = device_peak_tflops(device, cfg.train.precision)
     summary.peak_tflops = peak * runtime.world_size  # the job's peak: every process's device
     summary.peak_source = source if runtime.world_size == 1 else f"{runtime.world_size} x {peak:.3f}, {source}"
@@ -126,9 +131,6 @@ def _run(cfg, runtime, model, optimizer, data, ckpt, start, device) -> RunSummar
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     writer = MetricsWriter(out_dir, enabled=runtime.is_main)
-    if start >= cfg.train.steps and runtime.is_main:
-        print(f"megaloop: nothing to do: the run is at step {start} of train.steps={cfg.train.steps} (raise "
-              "train.steps to train further)", file=sys.stderr, flush=True)
     ckpt.mark(None)
     if start:
         writer.write({"kind": "resume", "step": start, "from": ckpt.resumed_from or ""})
@@ -139,7 +141,7 @@ def _run(cfg, runtime, model, optimizer, data, ckpt, start, device) -> RunSummar
             _run_steps(cfg, model, optimizer, sampler, FlopModel.of(cfg.model), data, runtime, writer, progress,
                        summary, flag, val_depths, ckpt)
             if summary.steps_done > start:
-                ckpt.save(summary.steps_done, model, optimizer, data, summary.tokens, wait=True)
+                ckpt.save(summary.steps_done, model, optimizer, data, summary.job_tokens, wait=True)
             if summary.interrupted:  # before any rank can exit (a launcher may then signal the others)
                 ckpt.mark("STOPPED", step=summary.steps_done, reason=summary.stop_reason)
             runtime.barrier()  # every rank leaves after rank 0 committed the checkpoint
@@ -196,7 +198,7 @@ def _run_steps(cfg, model, optimizer, sampler, flop_model, data, runtime, writer
             summary.interrupted, summary.stop_reason = True, f"train.stop_at_step={cfg.train.stop_at_step}"
             break
         if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < cfg.train.steps:
-            ckpt.save(done, model, optimizer, data, summary.tokens)
+            ckpt.save(done, model, optimizer, data, summary.job_tokens)
         if done % cfg.train.val_every == 0 and done < cfg.train.steps:
             val = validation_losses(model, data.val_batches(), val_depths, cfg.train.seed, cfg.train.precision,
                                     runtime.device, runtime, data.bytes_per_token)
@@ -210,6 +212,7 @@ def _train_record(step, stats, figures, t_data, dt, summary, optimizer) -> dict:
     rec, tokens = stats.record, figures.tokens
     useful, executed = figures.useful_flops, figures.executed_flops
     summary.tokens += tokens
+    summary.job_tokens += tokens
     summary.train_time_s += dt
     summary.useful_flops += useful
     summary.executed_flops += executed
