@@ -2,7 +2,8 @@
 
 A checkpoint holds, as layout-free global arrays (see checkpoints/), every parameter under `model/<name>` and the
 optimizer state under `optim/...` (megaloop.optim.combined.sharded_state), plus JSON metadata: the config, the step,
-tokens seen, the saving layout, the data loader's position, the optimizer's counters and AdamW step counts (the
+tokens seen, the saving layout, the data loader's position, the steps the learning-rate schedule spans (see
+megaloop.train.rerun.schedule_horizon), the optimizer's counters and AdamW step counts (the
 job's: under pipeline parallelism each rank's optimizer covers one stage, so they are merged over the ranks at save
 and each rank takes its parameters' at load; the stages' parameter names together must be the saved ones). With
 these, a resumed run repeats the uninterrupted one bit for bit: the depths, h_0 noise and data order are functions
@@ -219,6 +220,7 @@ class RunCheckpoints:
 
     def _load_full(self, reader, model, optimizer, data) -> None:
         from megaloop.optim.combined import join_names, load_sharded_state, parameter_names
+        from megaloop.train.rerun import schedule_horizon
 
         meta = reader.metadata
         missing = [key for key in ("config", "optimizer", "loader") if key not in meta]
@@ -238,6 +240,8 @@ class RunCheckpoints:
         load_model(model, read)
         held = join_names(self.runtime.all_gather_object(parameter_names(optimizer)))  # every stage's
         load_sharded_state(optimizer, read, meta["optimizer"], held)
+        if hasattr(optimizer, "total_steps"):
+            optimizer.total_steps = schedule_horizon(meta, self.cfg, int(reader.step), self._note)
         data.loader.load_state_dict(meta["loader"])
         self.resumed_step = int(reader.step)
         self.tokens_before = int(meta.get("tokens", 0))
@@ -262,7 +266,8 @@ class RunCheckpoints:
             raise RuntimeError(f"the data loader is at global batch {loader['step']} after {step} steps")
         metadata = {"megaloop_checkpoint": METADATA_VERSION, "config": self.cfg.to_dict(),
                     "tokens": self.tokens_before + tokens_this_job, "layout": self.runtime.describe_layout(),
-                    "loader": loader, "optimizer": scalars, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    "loader": loader, "optimizer": scalars,
+                    "schedule_steps": getattr(optimizer, "total_steps", self.cfg.train.steps), "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                     "torch": torch.__version__}
         self.wait()  # the previous save: its outcome is reported before this one starts
         self._saver().save(step, pieces, metadata)

@@ -4,7 +4,8 @@ A run is its out_dir: re-running the same command must never cost the run its re
 (the newest checkpoint is at train.steps or beyond) no file of the run is written, not even the config (a re-run
 with a smaller train.steps would otherwise replace the finished run's config and summary). An attempt that ended
 before its first checkpoint (killed, or a data error at step 0) left metrics but nothing to continue from: the next
-attempt starts afresh and keeps the earlier metrics beside the new ones under another name.
+attempt starts afresh and keeps the earlier metrics beside the new ones under another name. A run resumed with a
+larger train.steps than its schedule spans is extended as train.extend says (:func:`schedule_horizon`).
 """
 from __future__ import annotations
 
@@ -53,3 +54,25 @@ def set_aside_metrics(out_dir: Path) -> str:
 def _numbered(name: str, n: int) -> str:
     stem, dot, suffix = name.partition(".")
     return f"{stem}.{n}.{suffix}" if dot else f"{name}.{n}"
+
+
+def schedule_horizon(meta: dict, cfg: Config, step: int, note) -> int:
+    """The steps the learning-rate schedule of a run resumed from checkpoint metadata `meta` (at `step`) spans.
+
+    The checkpoint records the horizon its run's schedule had ("schedule_steps"; older checkpoints: the saving
+    job's train.steps, which was their horizon). Up to it, train.steps decides, as in any run (a shorter run cools
+    down sooner). Beyond it, train.extend=continue keeps the recorded horizon, so steps already trained keep their
+    rates and the extension runs at the last one (the decayed rate, never back up); rewarm spans the schedule over
+    the new train.steps, which restarts the cool-down from a higher rate when the run had cooled down already."""
+    saved = int(meta.get("schedule_steps") or meta.get("config", {}).get("train", {}).get("steps") or 0)
+    steps = cfg.train.steps
+    if not saved or steps <= saved:
+        return steps
+    if cfg.train.extend == "continue":
+        note(f"train.steps={steps} extends a run whose schedule spans {saved} steps: train.extend=continue keeps "
+             f"it, steps {saved}..{steps - 1} run at the rate of step {saved - 1} (train.extend=rewarm spans the "
+             f"schedule over {steps} steps instead)")
+        return saved
+    note(f"train.steps={steps} extends a run whose schedule spans {saved} steps: train.extend=rewarm spans it over "
+         f"{steps} steps (from step {step} the learning rate follows that schedule, higher if the run had cooled down)")
+    return steps

@@ -31,6 +31,7 @@ def no_model_may_be_built(monkeypatch):
     ("checkpoint.every=-1", "checkpoint.every", "must be >= 0"),
     ("checkpoint.keep=0", "checkpoint.keep", "must be >= 1"),
     ("train.stop_at_step=0", "train.stop_at_step", ">= 1 or null"),
+    ("train.extend=restart", "train.extend", "continue, rewarm"),
 ])
 def test_invalid_values_name_field_and_allowed(override, field, allowed):
     with pytest.raises(ValueError) as info:

@@ -1,13 +1,16 @@
 """Re-running a run's command: with nothing to do it changes no file of the run; after an attempt that committed no
-checkpoint it starts afresh and keeps the old metrics aside; the summary's tokens and steps span the same steps."""
+checkpoint it starts afresh and keeps the old metrics aside; the summary's tokens and steps span the same steps; a
+larger train.steps extends the run as train.extend says."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
 import megaloop.train.loop as loop
+from checkpoints.load import CheckpointReader, find_checkpoints
 from megaloop.config import load_config
 from megaloop.train.checkpointing import ResumeError
 from megaloop.train.cli import format_summary
@@ -97,3 +100,41 @@ def test_summary_tokens_and_steps_span_the_whole_run(tiny_shards, tmp_path):
     table = format_summary(config(tiny_shards, tmp_path, 4), second)
     assert f"4 steps" in table and f"{4 * TOKENS_PER_STEP:,} tokens" in table
     assert f"this job: 1 steps from step 3, {TOKENS_PER_STEP:,} tokens" in table
+
+
+def lrs(out: Path) -> dict[int, float]:
+    """step -> the logged (Muon base) learning rate; the last record of a step wins."""
+    return {r["step"]: r["lr"] for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"}
+
+
+def extended(finished, tiny_shards, tmp_path, steps: int, *extra: str) -> dict[int, float]:
+    shutil.copytree(finished[0], tmp_path, dirs_exist_ok=True)
+    summary = train(config(tiny_shards, tmp_path, steps, *extra))
+    assert summary.start_step == 4 and summary.steps_done == steps
+    return lrs(tmp_path)
+
+
+def test_extending_a_finished_run_keeps_its_decayed_rate(finished, tiny_shards, tmp_path, capfd):
+    lr = extended(finished, tiny_shards, tmp_path, 6)  # the default: train.extend=continue
+    assert lr[3] == pytest.approx(8e-3 / 2)  # the 4-step run's last step: half-way down its 2-step cool-down
+    assert lr[4] == lr[5] == lr[3]  # not back up to 8e-3 * 2/3, where a 6-step schedule is at step 4
+    assert "train.extend=continue keeps it" in capfd.readouterr().err
+    assert CheckpointReader(find_checkpoints(tmp_path / "checkpoints")[0]).metadata["schedule_steps"] == 4
+    summary = train(config(tiny_shards, tmp_path, 7))  # extended again: still the 4-step schedule's last rate
+    assert summary.start_step == 6 and lrs(tmp_path)[6] == lr[3]
+
+
+def test_extending_with_rewarm_spans_the_schedule_over_the_new_steps(finished, tiny_shards, tmp_path):
+    lr = extended(finished, tiny_shards, tmp_path, 6, "train.extend=rewarm")
+    assert lr[4] == pytest.approx(8e-3 * 2 / 3) and lr[5] == pytest.approx(8e-3 / 3)
+
+
+def test_checkpoints_without_a_recorded_horizon_use_their_train_steps(tiny_shards, tmp_path):
+    """Checkpoints saved before the horizon was recorded: their schedule spanned the saving job's train.steps."""
+    from megaloop.train.rerun import schedule_horizon
+
+    notes = []
+    old_meta = {"config": {"train": {"steps": 4}}}
+    assert schedule_horizon(old_meta, config(tiny_shards, tmp_path, 6), 4, notes.append) == 4 and notes
+    assert schedule_horizon(old_meta, config(tiny_shards, tmp_path, 4), 2, notes.append) == 4
+    assert schedule_horizon(old_meta, config(tiny_shards, tmp_path, 6, "train.extend=rewarm"), 4, print) == 6
