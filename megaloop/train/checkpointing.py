@@ -92,6 +92,16 @@ def load_model(model, read) -> None:
             p.copy_(value.to(dtype=p.dtype, device=p.device))
 
 
+def weights_fit(arrays: dict, cfg: Config) -> bool:
+    """Whether a checkpoint's arrays hold every parameter of cfg's model with its global shape (so that
+    checkpoint.load_optimizer=false can start this model from them)."""
+    from megaloop.model import build_model
+
+    model = build_model(cfg.model, device="meta")
+    return all(f"model/{n}" in arrays and tuple(arrays[f"model/{n}"].shape) == tuple(p.shape)
+               for n, p in model.named_parameters())
+
+
 def config_differences(saved: dict, current: dict, section: str) -> list[str]:
     a, b = saved.get(section, {}), current.get(section, {})
     return [f"{section}.{k}: saved {a.get(k)!r}, now {b.get(k)!r}" for k in sorted(set(a) | set(b))
@@ -231,9 +241,11 @@ class RunCheckpoints:
         current = json.loads(json.dumps(self.cfg.to_dict()))  # as the metadata holds it (tuples become lists)
         diffs = config_differences(meta["config"], current, "model")
         if diffs:
+            weights = (f"or start a new run from its weights in another train.out_dir with checkpoint.resume="
+                       f"{reader.path} checkpoint.load_optimizer=false" if weights_fit(reader.arrays, self.cfg)
+                       else "its parameter shapes differ from this model's, so not even its weights can start it")
             raise ResumeError(f"checkpoint {reader.path} was saved for another model ({'; '.join(diffs[:3])}): "
-                              "resume with the config that saved it, or set checkpoint.load_optimizer=false "
-                              "with checkpoint.resume to start a new run from its weights")
+                              f"resume with the config that saved it, {weights}")
         for diff in config_differences(meta["config"], current, "optim"):
             self._note(f"note: {diff} (continuing with the new value)")
         read = make_reader_fn(reader, self.runtime)

@@ -38,7 +38,10 @@ class ShardData:
         return iter(self.loader)
 
     def val_batches(self) -> list[dict]:
-        """Up to data.val_batches global batches of micro_batch_size x dp rows; padding rows get label -100."""
+        """Up to data.val_batches global batches of micro_batch_size x dp rows; padding rows get label -100. None
+        without a val split (validation then reports n/a, as the note at start says)."""
+        if self._val is None and not self.val_rows:
+            self._val = []
         if self._val is None:
             from data_prep.loader import validation_batches
 

@@ -185,11 +185,13 @@ def _run_steps(cfg, model, optimizer, sampler, flop_model, data, runtime, writer
             ckpt.prepare(model, optimizer)  # the optimizer state exists now: host buffers for the saves
         consecutive_skips = consecutive_skips + 1 if record["skipped"] else 0
         if consecutive_skips >= cfg.train.max_consecutive_skips:
+            reduced = cfg.train.precision not in ("fp32", "fp64")  # fp32 is advice only where it is more precise
             raise TrainingDiverged(
                 f"stopped at step {step}: the last {consecutive_skips} steps were all skipped because the gradient "
-                "norm was not finite (likely causes: a learning rate too high for this model, overflow in reduced "
-                "precision, or corrupt data); lower optim.matrix_lr / optim.adam_lr, try train.precision=fp32, or "
-                "raise train.max_consecutive_skips")
+                "norm was not finite (likely causes: a learning rate too high for this model, "
+                f"{'overflow in reduced precision, ' if reduced else ''}or corrupt data); lower optim.matrix_lr / "
+                f"optim.adam_lr, {'try train.precision=fp32, ' if reduced else ''}or raise "
+                "train.max_consecutive_skips")
         done = step + 1
         if flag.decide(figures.stop_code):  # every rank saw the same code: all stop after this step
             summary.interrupted, summary.stop_reason = True, flag.reason
