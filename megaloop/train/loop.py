@@ -84,6 +84,8 @@ def train(cfg: Config, runtime=None) -> RunSummary:
     try:
         start = ckpt.restore(model, optimizer, data)
         idle = start >= cfg.train.steps  # nothing to do: the run's files stay as they are
+        if not idle:
+            data.read_first_batch()  # a data error surfaces before the run's folder or files are made
         summary = (recorded_summary(cfg, runtime, start, ckpt.tokens_before) if idle else
                    _run(cfg, runtime, model, optimizer, data, ckpt, start, device))
     finally:

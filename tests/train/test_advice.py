@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import pytest
 
@@ -80,3 +81,22 @@ def test_diverged_fp64_run_gets_advice_that_works(tiny_shards, tmp_path, capfd):
     diverged(tiny_shards, tmp_path / "b", capfd)
     summary = train(config(tiny_shards, tmp_path / "b", 6, *DIVERGING[:-1], "train.max_consecutive_skips=10"))
     assert summary.steps_done == 6
+
+
+def shards_missing_every_other_train_file(tiny_shards, root):
+    shards = root / "shards"
+    shutil.copytree(tiny_shards, shards)
+    for tar in sorted(shards.glob("train-*.tar"))[::2]:
+        tar.unlink()
+    return shards
+
+
+def test_unreadable_shard_fails_before_the_run_folder_exists_and_skip_gets_further(tiny_shards, tmp_path, capfd):
+    shards = shards_missing_every_other_train_file(tiny_shards, tmp_path)
+    cfg = config(shards, tmp_path / "run", 4, "data.verify=none")  # found when the first batch is read
+    assert run_training(cfg) == 2
+    message = capfd.readouterr().err.strip().splitlines()[-1]
+    assert "data.on_corrupt=skip" in message, message
+    assert not (tmp_path / "run").exists()  # no folder, no empty metrics.jsonl, no config.json
+    summary = train(config(shards, tmp_path / "run", 4, "data.verify=none", "data.on_corrupt=skip"))
+    assert summary.steps_done == 4
