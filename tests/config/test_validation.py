@@ -104,7 +104,7 @@ def test_missing_data_directory_is_named(tmp_path):
 
 
 def test_gpt_and_rdm_combinations_checked():
-    with pytest.raises(ConfigError, match="model.injection=none and model.mu_rec=1"):
+    with pytest.raises(ConfigError, match="set model.injection=none model.mu_rec=1 model.mu_bwd=1"):
         load_config(TINY, ["model.arch=gpt"])
     with pytest.raises(ConfigError, match="arch rdm uses the concatenation injection"):
         load_config(TINY, ["model.arch=rdm"])
