@@ -80,6 +80,8 @@ def add_parsers(sub) -> None:
                    "(FILE.json is written beside it)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating-point parameters "
                    "(default: keep the stored dtypes)")
+    p.add_argument("--overwrite", action="store_true", help="replace FILE.safetensors and FILE.json when they exist "
+                   "(default: refuse)")
     p.set_defaults(func=cmd_export)
 
 
@@ -117,7 +119,11 @@ def _from_official(args) -> int:
 
 def cmd_export(args) -> int:
     src = resolve(args.dir)
-    out = export_safetensors(src, Path(args.out), args.dtype)
+    target = Path(args.out)
+    existing = [p for p in (target, target.with_suffix(".json")) if p.is_file()]
+    if existing and not args.overwrite:
+        raise CheckpointError(f"{existing[0]} already exists; give another --out, or pass --overwrite to replace it")
+    out = export_safetensors(src, target, args.dtype)
     print(f"wrote {out} and {out.with_suffix('.json')} from {src}")
     return 0
 

@@ -22,6 +22,9 @@ from .pieces import ITEMSIZE, STORAGE_DTYPE, TORCH_DTYPES, chunk_key, numpy_to_t
 from .policy import check_array_json, load_json
 from .verify import find_problems
 
+CORRUPT_ADVICE = ("this checkpoint is corrupt: give an older step_XXXXXXXX directory beside it instead (`python -m "
+                  "checkpoints verify ROOT --all` shows which verify; a training run falls back to one by itself)")
+
 
 @dataclass(frozen=True)
 class ArrayInfo:
@@ -78,8 +81,7 @@ class CheckpointReader:
         found = self.problems(names)
         if found:
             more = f" (and {len(found) - 1} more problems)" if len(found) > 1 else ""
-            raise CorruptCheckpointError(f"{self.path}: {found[0]}{more}; this checkpoint is corrupt: load an older "
-                                         "one (open_newest_valid) or save again")
+            raise CorruptCheckpointError(f"{self.path}: {found[0]}{more}; {CORRUPT_ADVICE}")
 
     def read(self, name: str, offsets=None, shape=None) -> torch.Tensor:
         """The region [offsets, offsets + shape) of array `name` (default: all of it), in its recorded dtype."""
@@ -129,8 +131,8 @@ class CheckpointReader:
                 size = None
             if size != want:
                 what = "missing" if size is None else f"{size} bytes, a chunk has {want}"
-                raise CorruptCheckpointError(f"{self.path}: array {name!r}: chunk file {rel} {what}; this "
-                                             "checkpoint is corrupt: load an older one (open_newest_valid)")
+                raise CorruptCheckpointError(f"{self.path}: array {name!r}: chunk file {rel} {what}; "
+                                             f"{CORRUPT_ADVICE}")
 
 
 def open_newest_valid(root, names=None, on_fallback: Callable[[str], object] | None = print) -> CheckpointReader:

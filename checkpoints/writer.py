@@ -11,6 +11,7 @@ Each rank ends by writing ``manifest.rankNNNNN.json`` (its files with size and c
 from __future__ import annotations
 
 import json
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +99,11 @@ def _create_layout(job: WriteJob) -> dict:
     nodes = {a.name: ArrayV3Metadata.from_dict(array_json(a.shape, a.chunks, a.dtype))
              for a in job.plan.arrays.values()}
     list(zarr.create_hierarchy(store=LocalStore(job.tmp), nodes=nodes))  # parent groups are added by zarr
+    # the root group lists its members itself: plain zarr then walks the checkpoint without listing the directory,
+    # where metadata.json, manifest.json and COMMIT would each be warned about as "not a component of a hierarchy"
+    with warnings.catch_warnings():  # zarr notes that consolidated metadata is outside the v3 spec; we know
+        warnings.simplefilter("ignore", category=UserWarning)
+        zarr.consolidate_metadata(LocalStore(job.tmp))
     meta = dict(job.metadata)
     meta.update(format=files.FORMAT, schema_version=files.SCHEMA_VERSION, step=job.step, arrays={
         a.name: {"shape": list(a.shape), "dtype": a.dtype, "chunks": list(a.chunks)}

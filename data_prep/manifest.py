@@ -121,7 +121,8 @@ def corrupt_shard_error(shard: str, problem: str) -> CorruptShardError:
     """The error raised for a shard that fails verification, with what to do."""
     return CorruptShardError(shard, problem,
                              "restore the file or re-create the shards with `python -m data_prep shards`; "
-                             "to train without it, use on_corrupt='skip' (skipped shards are counted)")
+                             "to train without it, use on_corrupt='skip' (a megaloop config: data.on_corrupt=skip; "
+                             "skipped shards are counted)")
 
 
 def check_tokenizer_hash(manifest: dict, tokenizer_hash: str, source: str = "the given tokenizer") -> None:

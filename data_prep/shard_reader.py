@@ -19,8 +19,8 @@ from .manifest import check_tokenizer_hash, corrupt_shard_error, read_manifest, 
 from .shard_writer import member_name, npy_header
 
 CORRUPT_POLICIES = ("error", "skip")
-REMEDY = ("re-create the shards with `python -m data_prep shards`, or load with on_corrupt='skip' to leave "
-          "this shard out (it is counted)")
+REMEDY = ("re-create the shards with `python -m data_prep shards`, or load with on_corrupt='skip' (a megaloop "
+          "config: data.on_corrupt=skip) to leave this shard out (it is counted)")
 
 
 def _scan_members(path: Path, entry: dict) -> tuple[list[str], np.ndarray, np.ndarray]:

@@ -194,7 +194,7 @@ def train_tokenizer(input_dir, output_dir, vocab_size: int = DEFAULT_VOCAB_SIZE,
     output_dir.mkdir(parents=True, exist_ok=True)
     hf = new_byte_level_bpe()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
-                                  special_tokens=list(SPECIAL_TOKENS), show_progress=progress,
+                                  special_tokens=list(SPECIAL_TOKENS), show_progress=_terminal_bars(progress),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     hf.train_from_iterator(texts, trainer=trainer, length=len(texts))
     tokenizer_json = hf.to_str()
@@ -210,6 +210,13 @@ def train_tokenizer(input_dir, output_dir, vocab_size: int = DEFAULT_VOCAB_SIZE,
     (output_dir / CONFIG_FILE).write_text(json.dumps(config, indent=1, sort_keys=True, ensure_ascii=False) + "\n",
                                           encoding="utf-8")
     return load_tokenizer(output_dir)
+
+
+def _terminal_bars(progress: bool) -> bool:
+    """The trainer's own bars only on a terminal: elsewhere (a pipe, a log file) they are blank lines on stdout."""
+    import sys
+
+    return progress and sys.stdout.isatty() and sys.stderr.isatty()
 
 
 def _read_tokenizer_files(directory: Path) -> tuple[str, dict, dict]:

@@ -92,21 +92,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _launch(args) -> int:
-    """Validate the config for the job's world size here (a bad one never reaches torchrun, whose own traceback
-    would follow the ranks' one-line errors), then replace this process by torchrun running `train`."""
-    import os
+    """Validate the config for the job's world size, then train under torchrun's agent (megaloop.launch)."""
+    from megaloop.launch import run_launch
 
-    from megaloop.config import ConfigError, load_config
-
-    if args.nproc_per_node < 1:
-        raise ConfigError("--nproc-per-node", args.nproc_per_node, "must be >= 1")
-    load_config(args.config, args.overrides, world_size=args.nproc_per_node)
-    sets = [a for o in args.overrides for a in ("--set", o)]
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-            str(args.nproc_per_node), "-m", "megaloop", "train", args.config, *sets]
-    sys.stdout.flush()
-    os.execv(sys.executable, argv)
-    return 0  # not reached
+    return run_launch(args)
 
 
 def _flops(cfg) -> int:

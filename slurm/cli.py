@@ -135,23 +135,39 @@ def check_config(spec: JobSpec, warn_only: bool) -> None:
 
 
 def submit(spec: JobSpec, text: str, segments: int) -> list[str]:
-    """Write the script into the run's slurm/ folder and sbatch it `segments` times, chained with afterany."""
+    """Write the script into the run's slurm/ folder and sbatch it `segments` times, chained with afterany. When
+    nothing was queued the script is removed again (and the folder, if this call made it): a failed submission
+    leaves nothing in the run's folder."""
     log_dir = Path(spec.log_dir)
+    made = [d for d in (log_dir, *log_dir.parents) if not d.exists()]
     log_dir.mkdir(parents=True, exist_ok=True)
     path = log_dir / f"job-{time.strftime('%Y%m%d-%H%M%S')}.sbatch"
     path.write_text(text)
     ids: list[str] = []
-    for _ in range(segments):
-        extra = [f"--dependency=afterany:{ids[-1]}"] if ids else []
-        try:
-            done = subprocess.run(["sbatch", "--parsable", *extra, str(path)], capture_output=True, text=True)
-        except FileNotFoundError:
-            raise RuntimeError(f"sbatch not found: run this on a Slurm login node (the script is in {path}; "
-                               "--dry-run prints it)") from None
-        if done.returncode != 0:
-            raise RuntimeError(f"sbatch failed: {(done.stderr or done.stdout).strip()} (script: {path})")
-        ids.append(done.stdout.strip().split(";")[0])
+    try:
+        for _ in range(segments):
+            ids.append(_sbatch(path, [f"--dependency=afterany:{ids[-1]}"] if ids else []))
+    except RuntimeError as err:
+        if not ids:
+            path.unlink(missing_ok=True)
+            for folder in made:  # innermost first; only the empty folders this call created
+                if folder.is_dir() and not any(folder.iterdir()):
+                    folder.rmdir()
+            raise
+        raise RuntimeError(f"{err}; queued before it: {', '.join(ids)} (script: {path})") from None
     return ids
+
+
+def _sbatch(path: Path, extra: list[str]) -> str:
+    """Submit the script once; its job id."""
+    try:
+        done = subprocess.run(["sbatch", "--parsable", *extra, str(path)], capture_output=True, text=True)
+    except FileNotFoundError:
+        raise RuntimeError("sbatch not found: run this on a Slurm login node (--dry-run prints the script)") from None
+    if done.returncode != 0:
+        raise RuntimeError(f"sbatch failed: {(done.stderr or done.stdout).strip()}; nothing was queued by this "
+                           "submission")
+    return done.stdout.strip().split(";")[0]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -117,22 +117,28 @@ class ModelConfig:
             raise ConfigError("model.ve_gate_channels", self.ve_gate_channels,
                               f"must be <= model.d_model={self.d_model}")
 
+    def _check_gpt(self) -> None:
+        """arch gpt: every looped-model setting it cannot have, named at once (one at a time, the advice to fix the
+        first would only lead to the next refusal)."""
+        needed = {"injection": "none", "mu_rec": 1, "mu_bwd": 1, "prelude_norm": False, "use_C": False}
+        wrong = [k for k, v in needed.items() if getattr(self, k) != v and not (k == "mu_bwd" and self.mu_bwd is None)]
+        if wrong:
+            fix = " ".join(f"model.{k}={str(needed[k]).lower() if isinstance(needed[k], bool) else needed[k]}"
+                           for k in wrong)
+            raise ConfigError(f"model.{wrong[0]}", getattr(self, wrong[0]), "arch gpt runs its blocks once, without "
+                              f"injection, prelude norm or C projection: set {fix}")
+
     def _validate_recurrence(self) -> None:
         if self.mu_rec < 1:
             raise ConfigError("model.mu_rec", self.mu_rec, "the mean loop depth must be >= 1")
-        if self.mu_bwd is not None and not 1 <= self.mu_bwd <= self.mu_rec:
-            raise ConfigError("model.mu_bwd", self.mu_bwd,
-                              f"must be in [1, model.mu_rec={self.mu_rec}] (or null for ceil(mu_rec/2))")
         if self.arch == "gpt":
-            if self.injection != "none" or self.mu_rec != 1:
-                raise ConfigError("model.injection", self.injection,
-                                  "arch gpt runs its blocks once: set model.injection=none and model.mu_rec=1")
-            if self.prelude_norm or self.use_C:
-                raise ConfigError("model.prelude_norm/use_C", (self.prelude_norm, self.use_C),
-                                  "arch gpt has no prelude norm and no C projection: set both to false")
+            self._check_gpt()
         elif self.injection == "none":
             raise ConfigError("model.injection", "none",
                               f"arch {self.arch} is looped: choose one of diagonal, additive, concat")
+        if self.mu_bwd is not None and not 1 <= self.mu_bwd <= self.mu_rec:
+            raise ConfigError("model.mu_bwd", self.mu_bwd,
+                              f"must be in [1, model.mu_rec={self.mu_rec}] (or null for ceil(mu_rec/2))")
         if self.arch == "rdm" and self.injection != "concat":
             raise ConfigError("model.injection", self.injection, "arch rdm uses the concatenation injection: concat")
         if self.arch == "parcae" and self.injection == "concat":

@@ -82,6 +82,9 @@ class TrainConfig:
     bucket_depths: bool = True
     progress: bool = True
     stop_at_step: int | None = None  # end this job after this step (save, exit 75); the schedule spans train.steps
+    extend: str = "continue"  # a resumed run given a larger train.steps than it started with: continue (the learning
+    #                           rate keeps the schedule it started with, then its last rate) | rewarm (the schedule
+    #                           spans the new train.steps: the rate rises again if the run had cooled down)
     time_limit_s: float | None = None  # this job's wall-clock budget: stop and save in time (also MEGALOOP_DEADLINE)
     max_consecutive_skips: int = 20  # stop when this many steps in a row had a non-finite gradient norm
     activation_checkpointing: str = "none"  # none | block (recompute each block) | lap (recompute a whole kept lap)
@@ -92,6 +95,7 @@ class TrainConfig:
             raise ConfigError("train.steps", self.steps, "must be >= 1")
         check_choice("train.precision", self.precision, ("auto", "bf16", "fp32", "fp64"))
         check_choice("train.device", self.device, ("auto", "cpu", "cuda"))
+        check_choice("train.extend", self.extend, ("continue", "rewarm"))
         check_choice("train.activation_checkpointing", self.activation_checkpointing, ("none", "block", "lap"))
         for name in ("log_every", "val_every"):
             if getattr(self, name) < 1:

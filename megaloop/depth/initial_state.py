@@ -41,7 +41,8 @@ def initial_state(batch: int, seq_len: int, d: int, seed: int, step: int, sample
         sample_indices = sample_indices.detach().cpu().numpy()
     indices = np.asarray(sample_indices, dtype=np.int64).reshape(-1)
     if indices.size != batch:
-        raise ValueError(f"initial_state: got {indices.size} sample_indices for a batch of {batch}")
+        raise ValueError(f"initial_state: got {indices.size} sample_indices for a batch of {batch}; give one global "
+                         "sample index per row, e.g. noise_key=(seed, step, torch.arange(batch))")
     if not (std > 0):
         raise ValueError(f"initial_state: std must be > 0, got {std}")
     device = torch.device("cpu" if device is None else device)

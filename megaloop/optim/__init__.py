@@ -25,7 +25,8 @@ _EXPORTS = {
         "normuon_rescale",
     ),
     "orthogonalize": ("POLAR_EXPRESS_COEFFS", "polar_express"),
-    "schedule": ("ScheduledValues", "lr_multiplier", "muon_momentum", "muon_weight_decay", "scheduled_values"),
+    "schedule": ("ScheduledValues", "continued_values", "lr_multiplier", "muon_momentum", "muon_weight_decay",
+                 "scheduled_values"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 

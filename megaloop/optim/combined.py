@@ -25,7 +25,7 @@ from .clip import clip_grad_tensors, clip_grads
 from .config import OptimConfig
 from .grouping import ParamGroups, split_param_groups
 from .muon import Muon
-from .schedule import ScheduledValues, check_schedule, scheduled_values
+from .schedule import ScheduledValues, check_schedule, continued_values
 
 STATE_FORMAT = "megaloop.optim.combined/1"
 
@@ -127,8 +127,9 @@ class CombinedOptimizer:
         return [opt for opt in (self.muon, self.adamw) if opt is not None]
 
     def schedule_at(self, step: int) -> ScheduledValues:
-        """The scheduled learning rates, momentum and weight decay at ``step``."""
-        return scheduled_values(self.cfg, step, self.total_steps)
+        """The scheduled learning rates, momentum and weight decay at ``step`` of a schedule spanning total_steps
+        (steps past it, in a run extended with train.extend=continue, keep the rates of its last step)."""
+        return continued_values(self.cfg, step, self.total_steps)
 
     def _apply_schedule(self, values: ScheduledValues) -> None:
         if self.muon is not None:

@@ -8,7 +8,7 @@ reference, whose step counter advances whether or not the update was applied.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .config import OptimConfig
 
@@ -100,3 +100,16 @@ def scheduled_values(cfg: OptimConfig, step: int, total_steps: int) -> Scheduled
         muon_momentum=muon_momentum(step, start, end, cfg.muon_momentum_warmup_steps),
         muon_weight_decay=muon_weight_decay(step, total_steps, cfg.muon_weight_decay),
     )
+
+
+def continued_values(cfg: OptimConfig, step: int, horizon: int) -> ScheduledValues:
+    """The schedules of a run of ``horizon`` steps, continued past its end (train.extend=continue): from step
+    ``horizon`` on, the learning rates and Muon's weight decay stay those of the run's last step (``horizon - 1``:
+    the decayed rate it ended at, never the final_lr_fraction it would reach one step later, which is 0 by
+    default); Muon's momentum follows its own warm-up, a function of the step alone. Before ``horizon`` this is
+    :func:`scheduled_values`."""
+    if step < horizon:
+        return scheduled_values(cfg, step, horizon)
+    start, end = cfg.muon_momentum
+    last = scheduled_values(cfg, horizon - 1, horizon)
+    return replace(last, step=step, muon_momentum=muon_momentum(step, start, end, cfg.muon_momentum_warmup_steps))

@@ -11,7 +11,8 @@ from megaloop.plan.report import plan_dict, plan_text
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--gpu", default="h100", choices=sorted(GPUS), help="GPU type (memory size); default h100")
+    p.add_argument("--gpu", default="h100", type=str.lower, choices=sorted(GPUS),  # H100 as well as h100
+                   help="GPU type (memory size, any case); default h100")
     p.add_argument("--nodes", type=int, required=True, metavar="N", help="nodes of the job")
     p.add_argument("--gpus-per-node", type=int, required=True, metavar="G", help="GPUs per node")
     p.add_argument("--pp", type=int, default=None, metavar="P",

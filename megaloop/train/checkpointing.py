@@ -2,7 +2,8 @@
 
 A checkpoint holds, as layout-free global arrays (see checkpoints/), every parameter under `model/<name>` and the
 optimizer state under `optim/...` (megaloop.optim.combined.sharded_state), plus JSON metadata: the config, the step,
-tokens seen, the saving layout, the data loader's position, the optimizer's counters and AdamW step counts (the
+tokens seen, the saving layout, the data loader's position, the steps the learning-rate schedule spans (see
+megaloop.train.rerun.schedule_horizon), the optimizer's counters and AdamW step counts (the
 job's: under pipeline parallelism each rank's optimizer covers one stage, so they are merged over the ranks at save
 and each rank takes its parameters' at load; the stages' parameter names together must be the saved ones). With
 these, a resumed run repeats the uninterrupted one bit for bit: the depths, h_0 noise and data order are functions
@@ -13,7 +14,8 @@ Where a run starts (:meth:`RunCheckpoints.restore`):
      re-running the same command continues a run (a job requeued after a preemption does exactly this);
   2. otherwise checkpoint.resume (another run's checkpoint: a step directory or a checkpoint root), with
      checkpoint.load_optimizer=false for the weights only (a fresh optimizer, data and schedule from step 0);
-  3. otherwise from scratch, refused when train.out_dir already holds a run (its metrics would be mixed in).
+  3. otherwise from scratch; an out_dir that holds the metrics of an attempt that committed no checkpoint starts
+     afresh with those metrics set aside (megaloop.train.rerun), one that holds a COMPLETED run is refused.
 """
 from __future__ import annotations
 
@@ -90,6 +92,16 @@ def load_model(model, read) -> None:
             p.copy_(value.to(dtype=p.dtype, device=p.device))
 
 
+def weights_fit(arrays: dict, cfg: Config) -> bool:
+    """Whether a checkpoint's arrays hold every parameter of cfg's model with its global shape (so that
+    checkpoint.load_optimizer=false can start this model from them)."""
+    from megaloop.model import build_model
+
+    model = build_model(cfg.model, device="meta")
+    return all(f"model/{n}" in arrays and tuple(arrays[f"model/{n}"].shape) == tuple(p.shape)
+               for n, p in model.named_parameters())
+
+
 def config_differences(saved: dict, current: dict, section: str) -> list[str]:
     a, b = saved.get(section, {}), current.get(section, {})
     return [f"{section}.{k}: saved {a.get(k)!r}, now {b.get(k)!r}" for k in sorted(set(a) | set(b))
@@ -161,11 +173,24 @@ class RunCheckpoints:
         return found
 
     def _refuse_used_out_dir(self) -> None:
+        """A fresh start in an out_dir that holds metrics but no checkpoint: refused when that run COMPLETED (its
+        record must stay); otherwise the earlier attempt ended before its first checkpoint (killed, a data error),
+        so its metrics are set aside and the run starts afresh, as re-running the same command promises."""
+        from megaloop.train.rerun import set_aside_metrics
+
         out = Path(self.cfg.train.out_dir)
-        if self.runtime.all_gather_object((out / "metrics.jsonl").exists())[0]:
-            raise ResumeError(f"train.out_dir={str(out)!r} already holds a run (metrics.jsonl) and no checkpoint "
-                              f"to continue it from ({self.root}): choose another train.out_dir, or delete "
-                              f"{str(out)!r} to start over")
+        used, completed = self.runtime.all_gather_object(((out / "metrics.jsonl").exists(),
+                                                          (out / "COMPLETED").exists()))[0]
+        if used and completed:
+            raise ResumeError(f"train.out_dir={str(out)!r} already holds a completed run (COMPLETED, metrics.jsonl) "
+                              f"and no checkpoint to continue it from ({self.root}): choose another train.out_dir, "
+                              f"or delete {str(out)!r} to start over")
+        if used:
+            if self.runtime.is_main:
+                aside = set_aside_metrics(out)
+                self._note(f"{str(out)!r} holds an attempt that committed no checkpoint: starting the run afresh "
+                           f"(its metrics are kept as {aside})")
+            self.runtime.barrier()  # no rank starts writing before the old metrics are out of the way
 
     def _open_verified(self, candidates: list[Path]):
         """The newest candidate whose files verify on every rank (each rank checks a share of the arrays);
@@ -205,6 +230,7 @@ class RunCheckpoints:
 
     def _load_full(self, reader, model, optimizer, data) -> None:
         from megaloop.optim.combined import join_names, load_sharded_state, parameter_names
+        from megaloop.train.rerun import schedule_horizon
 
         meta = reader.metadata
         missing = [key for key in ("config", "optimizer", "loader") if key not in meta]
@@ -215,15 +241,19 @@ class RunCheckpoints:
         current = json.loads(json.dumps(self.cfg.to_dict()))  # as the metadata holds it (tuples become lists)
         diffs = config_differences(meta["config"], current, "model")
         if diffs:
+            weights = (f"or start a new run from its weights in another train.out_dir with checkpoint.resume="
+                       f"{reader.path} checkpoint.load_optimizer=false" if weights_fit(reader.arrays, self.cfg)
+                       else "its parameter shapes differ from this model's, so not even its weights can start it")
             raise ResumeError(f"checkpoint {reader.path} was saved for another model ({'; '.join(diffs[:3])}): "
-                              "resume with the config that saved it, or set checkpoint.load_optimizer=false "
-                              "with checkpoint.resume to start a new run from its weights")
+                              f"resume with the config that saved it, {weights}")
         for diff in config_differences(meta["config"], current, "optim"):
             self._note(f"note: {diff} (continuing with the new value)")
         read = make_reader_fn(reader, self.runtime)
         load_model(model, read)
         held = join_names(self.runtime.all_gather_object(parameter_names(optimizer)))  # every stage's
         load_sharded_state(optimizer, read, meta["optimizer"], held)
+        if hasattr(optimizer, "total_steps"):
+            optimizer.total_steps = schedule_horizon(meta, self.cfg, int(reader.step), self._note)
         data.loader.load_state_dict(meta["loader"])
         self.resumed_step = int(reader.step)
         self.tokens_before = int(meta.get("tokens", 0))
@@ -248,7 +278,8 @@ class RunCheckpoints:
             raise RuntimeError(f"the data loader is at global batch {loader['step']} after {step} steps")
         metadata = {"megaloop_checkpoint": METADATA_VERSION, "config": self.cfg.to_dict(),
                     "tokens": self.tokens_before + tokens_this_job, "layout": self.runtime.describe_layout(),
-                    "loader": loader, "optimizer": scalars, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    "loader": loader, "optimizer": scalars,
+                    "schedule_steps": getattr(optimizer, "total_steps", self.cfg.train.steps), "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                     "torch": torch.__version__}
         self.wait()  # the previous save: its outcome is reported before this one starts
         self._saver().save(step, pieces, metadata)

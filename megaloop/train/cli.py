@@ -47,10 +47,12 @@ def format_summary(cfg: Config, s) -> str:
     def tf(flops):
         return flops / s.train_time_s / 1e12 if s.train_time_s else float("nan")
 
+    job = (f"; this job: {s.steps_done - s.start_step} steps from step {s.start_step}, {s.job_tokens:,} tokens"
+           if s.start_step else "")  # the run's figures count the resumed steps; tokens/s is this job's
     lines = [
         "",
         f"megaloop run: {cfg.train.out_dir}  ({s.steps_done} steps{', interrupted' if s.interrupted else ''}, "
-        f"{s.n_params / 1e6:.2f}M params, {s.tokens:,} tokens, {s.skipped} skipped steps)",
+        f"{s.n_params / 1e6:.2f}M params, {s.tokens:,} tokens, {s.skipped} skipped steps{job})",
         f"{'T':>4} {'val loss':>9} {'val bpb':>8}",
     ]
     if s.val and not any(v["tokens"] for v in s.val.values()):

@@ -28,6 +28,7 @@ class ShardData:
                                   select=rank_selection(cfg, dp_rank, dp_size))
         self.bytes_per_token = _bytes_per_token(self.manifest, "val")
         self._val = None
+        self._ahead = None  # the training iterator whose first batch read_first_batch read
         self.val_rows = self.manifest["splits"].get("val", {}).get("rows", 0) if d.val_batches else 0
         if not self.val_rows and dp_rank == 0 and os.environ.get("RANK", "0") == "0":
             reason = "data.val_batches=0" if not d.val_batches else f"{d.shards} has no val split"
@@ -35,10 +36,21 @@ class ShardData:
                   "--val-fraction > 0 (default 0.01) hold one", file=sys.stderr)
 
     def train_batches(self):
-        return iter(self.loader)
+        """The training batches from the loader's position (the one read_first_batch read first)."""
+        batches, self._ahead = self._ahead or iter(self.loader), None
+        return batches
+
+    def read_first_batch(self) -> None:
+        """Read the next training batch now, so that a data error (an unreadable shard) surfaces before the run
+        writes any file; train_batches yields it first."""
+        batches = iter(self.loader)
+        self._ahead = itertools.chain([next(batches)], batches)
 
     def val_batches(self) -> list[dict]:
-        """Up to data.val_batches global batches of micro_batch_size x dp rows; padding rows get label -100."""
+        """Up to data.val_batches global batches of micro_batch_size x dp rows; padding rows get label -100. None
+        without a val split (validation then reports n/a, as the note at start says)."""
+        if self._val is None and not self.val_rows:
+            self._val = []
         if self._val is None:
             from data_prep.loader import validation_batches
 

@@ -32,7 +32,8 @@ class RunSummary:
     start_step: int = 0  # where this job started (a resumed run's checkpoint step)
     resumed_from: str | None = None
     stop_reason: str | None = None
-    tokens: int = 0  # tokens trained by this job
+    tokens: int = 0  # the run's tokens (resumed ones included), the same span as steps_done
+    job_tokens: int = 0  # tokens trained by this job (what tokens_per_s divides by train_time_s)
     skipped: int = 0
     interrupted: bool = False
     train_time_s: float = 0.0
@@ -50,7 +51,7 @@ class RunSummary:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens / self.train_time_s if self.train_time_s else 0.0
+        return self.job_tokens / self.train_time_s if self.train_time_s else 0.0
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -74,6 +75,7 @@ def resolve_device(name: str) -> torch.device:
 def train(cfg: Config, runtime=None) -> RunSummary:
     """Run (or continue) cfg.train.steps optimizer steps. All outputs go under cfg.train.out_dir."""
     from megaloop.train.checkpointing import RunCheckpoints
+    from megaloop.train.rerun import recorded_summary
     from megaloop.train.runtime import make_runtime
 
     device = resolve_device(cfg.train.device)
@@ -85,16 +87,21 @@ def train(cfg: Config, runtime=None) -> RunSummary:
     data = open_data(cfg, runtime.dp_rank, runtime.dp_size)  # fails early on bad data, before the model
     model, optimizer = build_model_and_optimizer(cfg, runtime, device, choice.native_bf16)
     ckpt = RunCheckpoints(cfg, runtime)
+    idle = False
     try:
         start = ckpt.restore(model, optimizer, data)
-        summary = _run(cfg, runtime, model, optimizer, data, ckpt, start, device, choice)
+        idle = start >= cfg.train.steps  # nothing to do: the run's files stay as they are
+        if not idle:
+            data.read_first_batch()  # a data error surfaces before the run's folder or files are made
+        summary = (recorded_summary(cfg, runtime, start, ckpt.tokens_before) if idle else
+                   _run(cfg, runtime, model, optimizer, data, ckpt, start, device, choice))
     finally:
         ckpt.close()
         data.close()
         del model, optimizer  # tensor-parallel layers and distributed optimizers hold process groups: free them
         if owns_runtime:      # before the runtime tears the groups down (see pipeline.layout.destroy_layout)
             runtime.close()
-    if runtime.is_main:
+    if runtime.is_main and not idle:
         (out_dir / "summary.json").write_text(json.dumps(summary.as_dict(), indent=2))
     return summary
 
@@ -135,7 +142,8 @@ def _run(cfg, runtime, model, optimizer, data, ckpt, start, device, choice: Prec
     sampler = make_sampler(cfg.model.depth_sampler, cfg.model.mu_rec, cfg.model.backprop_depth, seed=cfg.train.seed)
     # counted on the meta device from the config: under tensor parallelism `model` holds only this rank's shard
     summary = RunSummary(n_params=count_parameters(build_model(cfg.model, device="meta")), is_main=runtime.is_main,
-                         start_step=start, steps_done=start, resumed_from=ckpt.resumed_from)
+                         start_step=start, steps_done=start, resumed_from=ckpt.resumed_from,
+                         tokens=ckpt.tokens_before)
     guard = PeakGuard(device, cfg.train.precision, runtime.world_size)
     _note_peak(summary, guard)
     summary.precision, summary.precision_why = choice.precision, choice.why
@@ -144,9 +152,6 @@ def _run(cfg, runtime, model, optimizer, data, ckpt, start, device, choice: Prec
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     writer = MetricsWriter(out_dir, enabled=runtime.is_main)
-    if start >= cfg.train.steps and runtime.is_main:
-        print(f"megaloop: nothing to do: the run is at step {start} of train.steps={cfg.train.steps} (raise "
-              "train.steps to train further)", file=sys.stderr, flush=True)
     ckpt.mark(None)
     if start:
         writer.write({"kind": "resume", "step": start, "from": ckpt.resumed_from or ""})
@@ -158,7 +163,7 @@ def _run(cfg, runtime, model, optimizer, data, ckpt, start, device, choice: Prec
                        summary, flag, val_depths, ckpt, guard)
             _note_peak(summary, guard)
             if summary.steps_done > start:
-                ckpt.save(summary.steps_done, model, optimizer, data, summary.tokens, wait=True)
+                ckpt.save(summary.steps_done, model, optimizer, data, summary.job_tokens, wait=True)
             if summary.interrupted:  # before any rank can exit (a launcher may then signal the others)
                 ckpt.mark("STOPPED", step=summary.steps_done, reason=summary.stop_reason)
             runtime.barrier()  # every rank leaves after rank 0 committed the checkpoint
@@ -220,11 +225,13 @@ def _run_steps(cfg, model, optimizer, sampler, flop_model, data, runtime, writer
             ckpt.prepare(model, optimizer)  # the optimizer state exists now: host buffers for the saves
         consecutive_skips = consecutive_skips + 1 if record["skipped"] else 0
         if consecutive_skips >= cfg.train.max_consecutive_skips:
+            reduced = cfg.train.precision not in ("fp32", "fp64")  # fp32 is advice only where it is more precise
             raise TrainingDiverged(
                 f"stopped at step {step}: the last {consecutive_skips} steps were all skipped because the gradient "
-                "norm was not finite (likely causes: a learning rate too high for this model, overflow in reduced "
-                "precision, or corrupt data); lower optim.matrix_lr / optim.adam_lr, try train.precision=fp32, or "
-                "raise train.max_consecutive_skips")
+                "norm was not finite (likely causes: a learning rate too high for this model, "
+                f"{'overflow in reduced precision, ' if reduced else ''}or corrupt data); lower optim.matrix_lr / "
+                f"optim.adam_lr, {'try train.precision=fp32, ' if reduced else ''}or raise "
+                "train.max_consecutive_skips")
         done = step + 1
         if flag.decide(figures.stop_code):  # every rank saw the same code: all stop after this step
             summary.interrupted, summary.stop_reason = True, flag.reason
@@ -233,7 +240,7 @@ def _run_steps(cfg, model, optimizer, sampler, flop_model, data, runtime, writer
             summary.interrupted, summary.stop_reason = True, f"train.stop_at_step={cfg.train.stop_at_step}"
             break
         if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < cfg.train.steps:
-            ckpt.save(done, model, optimizer, data, summary.tokens)
+            ckpt.save(done, model, optimizer, data, summary.job_tokens)
         if done % cfg.train.val_every == 0 and done < cfg.train.steps:
             val = validation_losses(model, data.val_batches(), val_depths, cfg.train.seed, cfg.train.precision,
                                     runtime.device, runtime, data.bytes_per_token)
@@ -247,6 +254,7 @@ def _train_record(step, stats, figures, t_data, dt, summary, optimizer, guard: P
     rec, tokens = stats.record, figures.tokens
     useful, executed = figures.useful_flops, figures.executed_flops
     summary.tokens += tokens
+    summary.job_tokens += tokens
     summary.train_time_s += dt
     summary.useful_flops += useful
     summary.executed_flops += executed

@@ -147,3 +147,22 @@ def test_failed_results_are_queued_not_lost(tmp_path):
         results = c.take_results()
     assert [(r.step, r.ok) for r in results] == [(1, False), (2, True)]
     assert "Input/output error" in results[0].error
+
+
+def test_corrupt_checkpoint_advice_is_followed(tmp_path, capsys):
+    """The error names what a user can do (an older step directory; verify --all shows which), and doing it works."""
+    from checkpoints.cli import main
+
+    with Checkpointer(tmp_path, async_save=False, file_writer=fast_write) as saver:
+        for step in (1, 2):
+            saver.save(step, pieces(step), {"config": {"model": {}}, "tokens": step * 100})
+            assert saver.wait().ok
+    flip_byte(tmp_path / "step_00000002" / "model/w/c/1/0")
+    assert main(["export", str(tmp_path), "--out", str(tmp_path / "w.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "open_newest_valid" not in err and "give an older step_XXXXXXXX directory" in err, err
+    assert main(["verify", str(tmp_path), "--all"]) != 0
+    listed = capsys.readouterr().out
+    assert "CORRUPT" in listed and f"OK {tmp_path / 'step_00000001'}" in listed, listed
+    assert main(["export", str(tmp_path / "step_00000001"), "--out", str(tmp_path / "w.safetensors")]) == 0
+    assert (tmp_path / "w.safetensors").is_file()

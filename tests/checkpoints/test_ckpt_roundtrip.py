@@ -104,3 +104,23 @@ def test_bad_names_and_reserved_metadata_are_refused(tmp_path):
     with pytest.raises(ValueError, match="lies inside array"):
         save_once(tmp_path, [Piece("a", (2,), (0,), t), Piece("a/b", (2,), (0,), t)])
     assert find_checkpoints(tmp_path) == []
+
+
+def test_plain_zarr_walks_a_checkpoint_without_warnings(saved):
+    """metadata.json, manifest.json and COMMIT sit beside the arrays: plain zarr must not warn about them."""
+    import warnings
+
+    _, result, src, _ = saved
+    found = []
+
+    def walk(group, prefix=""):
+        for name, member in group.members():
+            if isinstance(member, zarr.Group):
+                walk(member, f"{prefix}{name}/")
+            else:
+                found.append(f"{prefix}{name}")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        walk(zarr.open_group(str(result.path), mode="r"))
+    assert sorted(found) == sorted(src)

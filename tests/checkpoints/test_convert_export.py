@@ -289,3 +289,14 @@ def test_checkpoint_to_official_refuses_arrays_without_an_official_name(tmp_path
                        Piece("model/extra_head.weight", (4, 2), (0, 0), torch.ones(4, 2))], {"config": {}})
     with pytest.raises(ConversionError, match="extra_head.weight"):
         checkpoint_to_official(tmp_path / "step_00000001")
+
+
+def test_export_refuses_to_overwrite_unless_told(trained_checkpoint, tmp_path, capsys):
+    out = tmp_path / "model.safetensors"
+    out.write_bytes(b"an earlier export")
+    one_line_error(capsys, ["export", trained_checkpoint, "--out", out], "pass --overwrite")
+    assert out.read_bytes() == b"an earlier export"
+    (tmp_path / "other.json").write_text("{}")  # the sidecar of another --out is an existing file too
+    one_line_error(capsys, ["export", trained_checkpoint, "--out", tmp_path / "other.safetensors"], "other.json")
+    assert main(["export", str(trained_checkpoint), "--out", str(out), "--overwrite"]) == 0  # the advice, followed
+    assert out.read_bytes() != b"an earlier export" and json.loads(out.with_suffix(".json").read_text())["step"] == 5

@@ -31,6 +31,7 @@ def no_model_may_be_built(monkeypatch):
     ("checkpoint.every=-1", "checkpoint.every", "must be >= 0"),
     ("checkpoint.keep=0", "checkpoint.keep", "must be >= 1"),
     ("train.stop_at_step=0", "train.stop_at_step", ">= 1 or null"),
+    ("train.extend=restart", "train.extend", "continue, rewarm"),
 ])
 def test_invalid_values_name_field_and_allowed(override, field, allowed):
     with pytest.raises(ValueError) as info:
@@ -103,7 +104,7 @@ def test_missing_data_directory_is_named(tmp_path):
 
 
 def test_gpt_and_rdm_combinations_checked():
-    with pytest.raises(ConfigError, match="model.injection=none and model.mu_rec=1"):
+    with pytest.raises(ConfigError, match="set model.injection=none model.mu_rec=1 model.mu_bwd=1"):
         load_config(TINY, ["model.arch=gpt"])
     with pytest.raises(ConfigError, match="arch rdm uses the concatenation injection"):
         load_config(TINY, ["model.arch=rdm"])

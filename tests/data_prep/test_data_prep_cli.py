@@ -75,3 +75,8 @@ def test_cli_does_not_import_torch_for_preparation():
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
     assert shutil.which("tar"), "plain tar is needed by the shard tests"
+
+
+def test_tokenizer_prints_no_blank_lines_into_a_pipe(small_corpus, tmp_path):
+    done = _cli("tokenizer", "--input", str(small_corpus), "--output", str(tmp_path / "tok"), "--vocab-size", "512")
+    assert done.stdout.startswith("trained in") and "\n\n" not in done.stdout, repr(done.stdout)

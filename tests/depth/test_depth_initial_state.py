@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -60,3 +61,19 @@ def test_bad_arguments():
         initial_state(3, SEQ, D, SEED, STEP, [1, 2], std=0.1)
     with pytest.raises(ValueError, match="std"):
         initial_state(1, SEQ, D, SEED, STEP, [1], std=0.0)
+
+
+def test_a_single_sample_index_for_a_batch_says_one_per_row():
+    """The README's noise_key=(seed, step, sample_index): one index per row, and the error says so."""
+    from megaloop.config import load_config
+    from megaloop.model import build_model
+
+    tiny = Path(__file__).resolve().parents[2] / "configs" / "parcae-tiny.yaml"
+    cfg = load_config(str(tiny), ["model.vocab_size=512", "model.d_model=64", "model.n_heads=2",
+                                     "model.seq_len=16", "model.ve_gate_channels=16"])
+    model = build_model(cfg.model)
+    ids = torch.randint(0, 512, (2, 16))
+    with pytest.raises(ValueError, match="one global sample index per row"):
+        model(ids, depth=2, noise_key=(SEED, STEP, 5))
+    out = model(ids, depth=2, noise_key=(SEED, STEP, torch.tensor([5, 6])))  # the advice, followed
+    assert out.logits.shape[:2] == (2, 16)

@@ -132,3 +132,9 @@ def test_resolve_layout_checks_tp_against_the_model():
     cfg = load_config(TINY, ["parallel.tp=8"])
     with pytest.raises(ConfigError, match="model.n_heads"):
         resolve_layout(cfg, 8)
+
+
+def test_gpu_names_are_accepted_in_any_case(capsys):
+    lower = _cli(capsys, str(TINY), "--gpu", "h100", "--nodes", "1", "--gpus-per-node", "1", "--json")
+    upper = _cli(capsys, str(TINY), "--gpu", "H100", "--nodes", "1", "--gpus-per-node", "1", "--json")
+    assert upper[0] == 0 and upper == lower

@@ -204,3 +204,14 @@ def test_segments_are_chained_with_afterany(tmp_path):
     script = Path(calls[0].split()[-1]).read_text()
     assert "REQUEUE=0" in script and "#SBATCH --dependency=afterok:7" in script
     assert script.startswith("#!/bin/bash")
+
+
+def test_a_failed_sbatch_leaves_no_script_behind(tmp_path):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "sbatch").write_text("#!/bin/bash\necho 'sbatch: error: invalid partition specified: gpu' >&2\nexit 1\n")
+    (fake / "sbatch").chmod(0o755)
+    env = {"PATH": f"{fake}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    done = slurm_cli("submit", str(TINY), *BASE, "--out-root", str(tmp_path / "runs"), "--no-check", env=env)
+    assert done.returncode == 1 and "invalid partition specified" in done.stderr, done.stderr
+    assert not list(tmp_path.rglob("*.sbatch")) and not (tmp_path / "runs").exists()

@@ -114,7 +114,7 @@ def test_weights_only_start_from_another_run(straight, tiny_shards, tmp_path):
 def test_fresh_run_in_a_used_out_dir_is_refused(tiny_shards, tmp_path):
     run(tiny_shards, tmp_path, 2)
     shutil.rmtree(tmp_path / "checkpoints")
-    with pytest.raises(ResumeError, match="already holds a run"):
+    with pytest.raises(ResumeError, match="already holds a completed run"):
         run(tiny_shards, tmp_path, 4)
 
 
