@@ -100,22 +100,26 @@ class Config:
                               f"{fits} (or launch a multiple of {p.tp * p.pp} processes)" if fits else
                               f"launch a multiple of {p.tp * p.pp} processes"))
         dp = self.parallel.dp or (self.dp_size(world_size) if world_size else 1)
+        if world_size is not None:
+            needed = self.parallel.tp * self.parallel.pp * dp
+            if needed != world_size:
+                tp_pp = self.parallel.tp * self.parallel.pp
+                hint = (f"; set parallel.dp={world_size // tp_pp} (or parallel.dp=null, derived from the job's "
+                        "size)" if world_size % tp_pp == 0 else "")
+                if world_size == 1:  # a plain `python -m megaloop train`: nothing would run in parallel
+                    alone = " ".join(["parallel.dp=null"] + [f"parallel.{k}=1" for k in ("tp", "pp")
+                                                             if getattr(self.parallel, k) != 1])
+                    hint = (f"; this is a single process (not started by torchrun or Slurm): launch {needed} "
+                            f"processes, e.g. `torchrun --standalone --nproc-per-node {needed} -m megaloop train "
+                            f"...`, or set {alone} to train in this one process")
+                raise ConfigError("parallel", f"tp={self.parallel.tp} pp={self.parallel.pp} dp={dp}",
+                                  f"tp x pp x dp = {needed} but the job has {world_size} processes{hint}")
         if d.global_batch_size % (d.micro_batch_size * dp):
             raise ConfigError(
                 "data.global_batch_size", d.global_batch_size,
                 f"must be divisible by data.micro_batch_size x dp = {d.micro_batch_size} x {dp}; set e.g. "
                 f"data.global_batch_size="
                 f"{d.micro_batch_size * dp * max(d.global_batch_size // (d.micro_batch_size * dp), 1)}")
-        if world_size is not None:
-            needed = self.parallel.tp * self.parallel.pp * dp
-            if needed != world_size:
-                hint = ""
-                if world_size == 1:  # a plain `python -m megaloop train`: nothing would run in parallel
-                    hint = (f"; this is a single process (not started by torchrun or Slurm): launch {needed} "
-                            f"processes, e.g. `torchrun --standalone --nproc-per-node {needed} -m megaloop train "
-                            "...`, or set parallel.dp=null parallel.tp=1 to train in this one process")
-                raise ConfigError("parallel", f"tp={self.parallel.tp} pp={self.parallel.pp} dp={dp}",
-                                  f"tp x pp x dp = {needed} but the job has {world_size} processes{hint}")
 
     def _validate_data_dir(self) -> None:
         if self.data.shards is None:

@@ -43,6 +43,9 @@ DEEPSPEED_CANNOT = ["parallel.engine=deepspeed", "parallel.zero_stage=0", "train
     (DEEPSPEED_CANNOT, 2, ["or use "]),
     (["data.global_batch_size=12"], None, ["set e.g. "]),
     (["parallel.dp=2"], 1, ["or set "]),  # a plain single process: train in it
+    (["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "data.micro_batch_size=4"], 1, ["or set "]),
+    (["parallel.dp=3"], 2, ["; set "]),
+    (["parallel.dp=3"], 2, ["(or "]),
 ])
 def test_config_refusals_propose_settings_that_load(overrides, world, phrases):
     settings = list(overrides)
