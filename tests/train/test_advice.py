@@ -228,3 +228,14 @@ def test_no_shards_and_data_parallel_in_one_process_are_fixed_as_proposed(tiny_s
     fix = re.search(r"or set (parallel\.dp=null) to train in this one process", str(refused.value))
     assert fix, refused.value
     assert make_runtime(config(tiny_shards, tmp_path, 2, "parallel.dp=2", fix.group(1)), torch.device("cpu"))
+
+
+def test_a_warmup_into_the_cool_down_passes_at_the_bound_named():
+    from megaloop.optim.schedule import check_schedule
+
+    with pytest.raises(ValueError) as refused:
+        check_schedule(300, 290, 0.2)
+    bound = int(re.search(r"set optim\.warmup_steps <= (\d+)", str(refused.value)).group(1))
+    check_schedule(300, bound, 0.2)  # the advice, followed
+    with pytest.raises(ValueError):
+        check_schedule(300, bound + 1, 0.2)  # and it is the bound, not merely a smaller value
