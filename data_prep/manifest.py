@@ -38,7 +38,8 @@ def read_manifest(shard_dir) -> dict:
     if not path.is_file():
         raise DataPrepError(f"{shard_dir} has no {MANIFEST_FILE}",
                             "pass a directory written by `python -m data_prep shards` (the manifest is written last; "
-                            "a directory without one is incomplete: run the command again)")
+                            "a directory without one is incomplete: run the command again, with --overwrite where it "
+                            "left shards there)")
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:

@@ -154,8 +154,10 @@ def _check_batch(dp: int, batch: BatchDims, world: int, tp: int, pp: int) -> Non
         raise LayoutError(
             f"data parallelism over dp={dp} ranks gives {rows_per_rank:g} rows of the global batch "
             f"({batch.global_batch}) per rank, which is not a whole number of micro-batches of "
-            f"{batch.micro_batch}; dp values that work: {working or 'none'} (or change data.global_batch_size to a "
-            f"multiple of {dp * batch.micro_batch})")
+            f"{batch.micro_batch}; for this job set data.global_batch_size="
+            f"{dp * batch.micro_batch * max(batch.global_batch // (dp * batch.micro_batch), 1)} (a multiple of "
+            f"{dp * batch.micro_batch}); dp values that work: {working or 'none'} (on a job of tp x pp x dp "
+            "processes)")
 
 
 def validate_layout(world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None,
@@ -177,7 +179,7 @@ def validate_layout(world_size: int, tp: int = 1, pp: int = 1, dp: int | None = 
     dp = world_size // (tp * pp) if dp is None else dp
     if tp * pp * dp != world_size:
         raise LayoutError(f"tp x pp x dp = {tp} x {pp} x {dp} = {tp * pp * dp} but the job has {world_size} "
-                          f"processes; leave dp unset (it becomes {world_size // (tp * pp)}) or change it")
+                          f"processes; leave dp unset (it becomes {world_size // (tp * pp)}) or set it to that")
     if model is not None:
         _check_model_split(tp, model, seq_parallel, _valid_tp(world_size, pp, model, seq_parallel))
     if batch is not None:

@@ -88,8 +88,10 @@ def build_spec(args, argv: list[str]) -> JobSpec:
     limit = options.time_seconds(args.time)
     lead = options.positive("--signal-lead", args.signal_lead, maximum=65535)
     if limit < lead + MIN_TRAIN_S:
+        lower = f" or lower --signal-lead to {limit - MIN_TRAIN_S}" if limit > MIN_TRAIN_S else ""
         raise OptionError("--time", args.time, f"leaves less than {MIN_TRAIN_S} s of training before the stop signal "
-                                               f"{lead} s before the limit; raise --time or lower --signal-lead")
+                                               f"{lead} s before the limit; raise --time to "
+                                               f"{options.slurm_time(lead + MIN_TRAIN_S)}{lower}")
     container = options.text("--container", args.container) if args.container is not None else None
     return JobSpec(
         config=config, nodes=options.positive("--nodes", args.nodes), procs_per_node=procs, gpus_per_node=gpus,

@@ -81,6 +81,13 @@ def slurm_name(option: str, value: str | None, allow_list: bool = False) -> str 
     return value
 
 
+def slurm_time(seconds: int) -> str:
+    """A --time limit of at least `seconds`, in whole minutes: H:MM:00, or D-HH:MM:00 from a day on."""
+    minutes = -(-seconds // 60)
+    days, hours, mins = minutes // 1440, minutes // 60 % 24, minutes % 60
+    return f"{days}-{hours:02d}:{mins:02d}:00" if days else f"{hours}:{mins:02d}:00"
+
+
 def dependency(value: str | None) -> str | None:
     if value is None:
         return None

@@ -4,6 +4,7 @@ train.steps = round(tokens / (global_batch_size * seq_len)) steps, so the traine
 budget / FLOPs-per-token. Each run gets its own out_dir; all of them are one job array."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from slurm.ask import Cost
@@ -51,9 +52,17 @@ def grid(mu_values: list[int], budgets: list[float], costs: dict[int, Cost], roo
             tokens = budget / cost.flops_per_token
             steps = round(tokens / cost.tokens_per_step)
             if steps < 1:
+                least = max(c.flops_per_token * c.tokens_per_step for c in costs.values())  # a step at every mu
                 raise OptionError("--flops", f"{budget:g}", f"buys {tokens:.3g} tokens at mu_rec={mu}, less than one "
-                                                            f"step of {cost.tokens_per_step} tokens; raise the budget")
+                                                            f"step of {cost.tokens_per_step} tokens; raise the budget "
+                                                            f"to {_round_up(least)} or more")
             overrides = (f"model.mu_rec={mu}", *fixed, f"train.steps={steps}")
             points.append(Point(len(points), mu, cost.mu_bwd, budget, cost.flops_per_token, cost.tokens_per_step,
                                 steps, str(Path(root) / f"mu{mu}-{budget_tag(budget)}"), overrides))
     return points
+
+
+def _round_up(value: float) -> str:
+    """`value` written with 3 significant digits, rounded up (so the budget it names buys what it must)."""
+    exponent = math.floor(math.log10(value)) - 2
+    return f"{math.ceil(value / 10 ** exponent) * 10 ** exponent:.3g}"

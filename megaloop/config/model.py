@@ -134,16 +134,18 @@ class ModelConfig:
         if self.arch == "gpt":
             self._check_gpt()
         elif self.injection == "none":
-            raise ConfigError("model.injection", "none",
-                              f"arch {self.arch} is looped: choose one of diagonal, additive, concat")
+            fits = "model.injection=concat" if self.arch == "rdm" else "model.injection=diagonal (or additive)"
+            raise ConfigError("model.injection", "none", f"arch {self.arch} is looped: set {fits}")
         if self.mu_bwd is not None and not 1 <= self.mu_bwd <= self.mu_rec:
             raise ConfigError("model.mu_bwd", self.mu_bwd,
                               f"must be in [1, model.mu_rec={self.mu_rec}] (or null for ceil(mu_rec/2))")
         if self.arch == "rdm" and self.injection != "concat":
-            raise ConfigError("model.injection", self.injection, "arch rdm uses the concatenation injection: concat")
+            raise ConfigError("model.injection", self.injection,
+                              "arch rdm uses the concatenation injection: set model.injection=concat")
         if self.arch == "parcae" and self.injection == "concat":
             raise ConfigError("model.injection", self.injection,
-                              "concat is the RDM injection: set model.arch=rdm, or use diagonal/additive")
+                              "concat is the RDM injection: set model.arch=rdm, or model.injection=diagonal "
+                              "(or additive)")
 
     def check_vocab_covers(self, data_vocab_size: int, source: str) -> None:
         """The embedding must hold every id the data can contain."""

@@ -48,27 +48,35 @@ class Config:
                 raise ConfigError("parallel.zero_stage", p.zero_stage, "the native engine runs ZeRO stage 0 or 1; "
                                   "use parallel.engine=deepspeed for stages 2 and 3 (AdamW only)")
             return
-        reasons = []
+        reasons, fixes = [], []
         if p.zero_stage not in (1, 2, 3):
             reasons.append(f"parallel.zero_stage={p.zero_stage} (DeepSpeed runs stages 1, 2, 3)")
+            fixes.append("parallel.zero_stage=1")
         if self.optim.name != "adamw":
             reasons.append(f"optim.name={self.optim.name} (ZeRO partitions matrices by elements, so no rank holds a "
-                           "whole matrix for Muon; use optim.name=adamw or the native engine's distributed Muon)")
+                           "whole matrix for Muon)")
+            fixes.append("optim.name=adamw")
         if p.tp != 1 or p.pp != 1:
-            reasons.append(f"parallel.tp={p.tp}, parallel.pp={p.pp} (DeepSpeed is data-parallel only here; use the "
-                           "native engine for tensor parallelism)")
+            reasons.append(f"parallel.tp={p.tp}, parallel.pp={p.pp} (DeepSpeed is data-parallel only here, no "
+                           "tensor parallelism)")
+            fixes += [f"parallel.{k}=1" for k in ("tp", "pp") if getattr(p, k) != 1]
         if self.train.precision == "fp64":
             reasons.append("train.precision=fp64 (a verification precision of the native engine)")
+            fixes.append("train.precision=fp32")
         if p.dp_balance == "depth":
-            reasons.append("parallel.dp_balance=depth (DeepSpeed runs a fixed number of micro-batches per rank; "
-                           "leave it unset or use rows)")
+            reasons.append("parallel.dp_balance=depth (DeepSpeed runs a fixed number of micro-batches per rank)")
+            fixes.append("parallel.dp_balance=rows")
         if self.checkpoint.every or self.checkpoint.resume is not None:
             reasons.append("checkpoint.every/checkpoint.resume (DeepSpeed keeps its optimizer state in its own "
-                           "partitioned flat buffers, which megaloop does not save as layout-free arrays: use the "
-                           "native engine, whose ZeRO-1 and distributed Muon checkpoint and reshard, for resumable "
-                           "runs)")
-        if reasons:
-            raise ConfigError("parallel.engine", p.engine, "cannot run " + "; ".join(reasons))
+                           "partitioned flat buffers, which megaloop does not save as layout-free arrays; the "
+                           "native engine's checkpoints resume and reshard)")
+            fixes += ["checkpoint.every=0"] * bool(self.checkpoint.every)
+            fixes += ["checkpoint.resume=null"] * (self.checkpoint.resume is not None)
+        if reasons:  # the native engine as the alternative only where it runs what was asked of DeepSpeed
+            native = ", or use parallel.engine=native (it runs all of these)" * (p.zero_stage in (0, 1)
+                                                                                and not p.zero_offload)
+            raise ConfigError("parallel.engine", p.engine, "cannot run " + "; ".join(reasons) + f"; set "
+                              f"{' '.join(fixes)}{native}")
 
     @property
     def dp_balance(self) -> str:
@@ -92,21 +100,26 @@ class Config:
                               f"{fits} (or launch a multiple of {p.tp * p.pp} processes)" if fits else
                               f"launch a multiple of {p.tp * p.pp} processes"))
         dp = self.parallel.dp or (self.dp_size(world_size) if world_size else 1)
-        if d.global_batch_size % (d.micro_batch_size * dp):
-            raise ConfigError(
-                "data.global_batch_size", d.global_batch_size,
-                f"must be divisible by data.micro_batch_size x dp = {d.micro_batch_size} x {dp}; "
-                f"e.g. {d.micro_batch_size * dp * max(d.global_batch_size // (d.micro_batch_size * dp), 1)}")
         if world_size is not None:
             needed = self.parallel.tp * self.parallel.pp * dp
             if needed != world_size:
-                hint = ""
+                tp_pp = self.parallel.tp * self.parallel.pp
+                hint = (f"; set parallel.dp={world_size // tp_pp} (or parallel.dp=null, derived from the job's "
+                        "size)" if world_size % tp_pp == 0 else "")
                 if world_size == 1:  # a plain `python -m megaloop train`: nothing would run in parallel
+                    alone = " ".join(["parallel.dp=null"] + [f"parallel.{k}=1" for k in ("tp", "pp")
+                                                             if getattr(self.parallel, k) != 1])
                     hint = (f"; this is a single process (not started by torchrun or Slurm): launch {needed} "
                             f"processes, e.g. `torchrun --standalone --nproc-per-node {needed} -m megaloop train "
-                            "...`, or leave parallel.dp unset (null) and parallel.tp at 1")
+                            f"...`, or set {alone} to train in this one process")
                 raise ConfigError("parallel", f"tp={self.parallel.tp} pp={self.parallel.pp} dp={dp}",
                                   f"tp x pp x dp = {needed} but the job has {world_size} processes{hint}")
+        if d.global_batch_size % (d.micro_batch_size * dp):
+            raise ConfigError(
+                "data.global_batch_size", d.global_batch_size,
+                f"must be divisible by data.micro_batch_size x dp = {d.micro_batch_size} x {dp}; set e.g. "
+                f"data.global_batch_size="
+                f"{d.micro_batch_size * dp * max(d.global_batch_size // (d.micro_batch_size * dp), 1)}")
 
     def _validate_data_dir(self) -> None:
         if self.data.shards is None:

@@ -27,7 +27,7 @@ def check_schedule(total_steps: int, warmup_steps: int, cooldown_fraction: float
         raise ValueError(
             f"optim.warmup_steps = {warmup_steps} overlaps the cool-down: with total_steps = {total_steps} and "
             f"cooldown_fraction = {cooldown_fraction} the cool-down starts after step {total_steps - n_cool}; "
-            "lower warmup_steps or cooldown_fraction, or train longer"
+            f"set optim.warmup_steps <= {total_steps - n_cool}, or lower cooldown_fraction, or train longer"
         )
 
 

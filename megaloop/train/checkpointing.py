@@ -214,19 +214,25 @@ class RunCheckpoints:
                 return reader
             problems.append(f"{path}: {errors[0]}")
             self._note(f"checkpoint {path} is unusable ({errors[0]}); falling back to the previous one")
-            self._set_aside(path)
-        raise ResumeError("no checkpoint could be loaded: " + "; ".join(problems) + " (run `python -m checkpoints "
-                          "verify DIR` for details, or move the directory away to start over)")
+            shown = self._set_aside(path)
+        if shown != candidates[-1]:  # set aside (this run's own checkpoints): the next attempt starts afresh
+            todo = "run the same command again to start the run afresh"
+        else:
+            todo = "point checkpoint.resume at another checkpoint, or leave it null to start afresh"
+        raise ResumeError("no checkpoint could be loaded: " + "; ".join(problems) + f" (`python -m checkpoints "
+                          f"verify {shown}` shows what is wrong; {todo})")
 
-    def _set_aside(self, path: Path) -> None:
+    def _set_aside(self, path: Path) -> Path:
         """Rename a corrupt checkpoint of this run to <name>.corrupt (kept for inspection, no longer counted by
-        retention nor tried again); another run's checkpoints are never touched."""
+        retention nor tried again); another run's checkpoints are never touched. Where the checkpoint is now."""
         self.runtime.barrier()  # every rank is done reading it
-        if self.runtime.is_main and path.parent.resolve() == self.root.resolve():
-            aside = path.with_name(f"{path.name}.corrupt")
-            if not aside.exists():
-                path.rename(aside)
-                self._note(f"moved the unusable checkpoint to {aside}")
+        aside = path.with_name(f"{path.name}.corrupt")
+        if path.parent.resolve() != self.root.resolve() or (self.runtime.is_main and aside.exists()):
+            return path
+        if self.runtime.is_main:
+            path.rename(aside)
+            self._note(f"moved the unusable checkpoint to {aside}")
+        return aside
 
     def _load_full(self, reader, model, optimizer, data) -> None:
         from megaloop.optim.combined import join_names, load_sharded_state, parameter_names

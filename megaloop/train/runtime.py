@@ -96,7 +96,7 @@ def make_runtime(cfg, device: torch.device):
             raise ConfigError("parallel.dp", cfg.parallel.dp, "this is a single process (not started by torchrun or "
                               f"Slurm): launch {cfg.parallel.dp * cfg.parallel.tp} processes, e.g. `torchrun "
                               f"--standalone --nproc-per-node {cfg.parallel.dp * cfg.parallel.tp} -m megaloop train "
-                              "...`, or leave parallel.dp unset")
+                              "...`, or set parallel.dp=null to train in this one process")
         if cfg.parallel.tp == 1 and cfg.parallel.pp == 1:
             return SingleProcessRuntime(device)
     m, p, d = cfg.model, cfg.parallel, cfg.data
