@@ -77,7 +77,7 @@ def run_inner(tmp_path: Path, body: str, method: str, expect_pids: int, timeout_
 def test_timed_out_spawn_leaves_no_worker(tmp_path, method):
     """signal: pytest-timeout raises inside the join and the helper kills its workers; thread: pytest-timeout ends
     pytest with os._exit, and the workers die with their parent (PR_SET_PDEATHSIG)."""
-    done, survivors = run_inner(tmp_path, INNER_SPAWN, method, expect_pids=2, timeout_s=45)
+    done, survivors = run_inner(tmp_path, INNER_SPAWN, method, expect_pids=2, timeout_s=30)
     print(f"{method}: inner pytest rc {done.returncode}, surviving workers {survivors}")
     assert done.returncode != 0 and "Timeout" in done.stdout, done.stdout[-3000:]
     assert survivors == [], f"workers outlived the timed-out test: {survivors}"

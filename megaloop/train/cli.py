@@ -79,8 +79,12 @@ def format_mfu(useful_tflops: float, executed_tflops: float, s) -> str:
     if not math.isfinite(peak) or not math.isfinite(useful_tflops):
         return "n/a"
     if executed_tflops > peak or s.peak_unreliable_steps:
-        return (f"n/a (unreliable: {s.peak_unreliable_steps} steps ran faster than the measured peak, which was "
-                "measured while the CPU was busy; `python -m megaloop peak --refresh` on an idle machine)")
+        import torch
+
+        command = (f"python -m megaloop peak --refresh --precision {s.precision} --threads "
+                   f"{torch.get_num_threads()}")
+        return (f"n/a (unreliable: {s.peak_unreliable_steps} steps ran faster than the peak, which was measured "
+                f"while the CPU was busy; re-measure it on an idle machine: {command})")
     return f"{100 * useful_tflops / peak:.1f}%"
 
 
