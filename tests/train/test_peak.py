@@ -55,6 +55,8 @@ def test_the_cache_is_read_instead_of_measuring(cache, monkeypatch):
 
 
 def test_the_key_separates_dtype_threads_and_isa(monkeypatch):
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
     keys = {cache_key("fp32", 1), cache_key("bf16", 1), cache_key("fp32", 2)}
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     keys.add(cache_key("fp32", 1))
