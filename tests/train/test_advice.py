@@ -239,3 +239,18 @@ def test_a_warmup_into_the_cool_down_passes_at_the_bound_named():
     check_schedule(300, bound, 0.2)  # the advice, followed
     with pytest.raises(ValueError):
         check_schedule(300, bound + 1, 0.2)  # and it is the bound, not merely a smaller value
+
+
+@pytest.mark.parametrize("target", ["step", "root"])
+def test_a_resume_path_without_a_checkpoint_is_pointed_at_one_as_told(saved_run, tiny_shards, tmp_path, target):
+    """checkpoint.resume naming a folder that holds no checkpoint: the refusal proposes a step_XXXXXXXX directory or
+    a checkpoint root; either one, as told, resumes (the run continues from the saved step 2 to step 3)."""
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ResumeError) as refused:
+        train(config(tiny_shards, tmp_path / "run", 3, f"checkpoint.resume={tmp_path / 'empty'}"))
+    message = str(refused.value)
+    assert message.endswith("point it at a step_XXXXXXXX directory or at a checkpoint root"), message
+    root = saved_run / "checkpoints"
+    path = next(root.glob("step_*")) if target == "step" else root
+    summary = train(config(tiny_shards, tmp_path / "run", 3, f"checkpoint.resume={path}"))
+    assert summary.resumed_from and summary.start_step == 2 and summary.steps_done == 3
