@@ -197,3 +197,35 @@ def test_mpi_without_mpi4py_runs_without_mpi(made, tmp_path, capsys, monkeypatch
     argv = shards_args(made, tmp_path / "s", "--mpi", "on")
     assert "or run without --mpi" in refused(capsys, argv)
     assert main(without_option(argv, "--mpi")) == 0
+
+
+def test_a_manifest_of_another_format_re_creates_the_shards_with_this_version(made, tmp_path, capsys):
+    import json
+
+    shutil.copytree(made / "shards", tmp_path / "s")
+    manifest = json.loads((tmp_path / "s" / "manifest.json").read_text())
+    manifest["format_version"] = -1
+    (tmp_path / "s" / "manifest.json").write_text(json.dumps(manifest))
+    assert "re-create the shards with this version of data_prep" in refused(capsys, ["inspect", str(tmp_path / "s"),
+                                                                                     "--quiet"])
+    assert main(shards_args(made, tmp_path / "s", "--overwrite")) == 0
+    assert main(["inspect", str(tmp_path / "s"), "--quiet"]) == 0
+
+
+@pytest.mark.parametrize("damage", ["no BPE vocabulary", "no special tokens"])
+def test_a_damaged_tokenizer_is_trained_again_as_told(made, tmp_path, capsys, damage):
+    import json
+
+    shutil.copytree(made / "tok", tmp_path / "tok")
+    content = json.loads((tmp_path / "tok" / "tokenizer.json").read_text())
+    if damage == "no BPE vocabulary":
+        del content["model"]["vocab"]
+    else:
+        content["added_tokens"] = []
+        content["model"]["vocab"] = {t: i for t, i in content["model"]["vocab"].items() if not t.startswith("<|")}
+    (tmp_path / "tok" / "tokenizer.json").write_text(json.dumps(content))
+    argv = with_option(shards_args(made, tmp_path / "s"), "--tokenizer", str(tmp_path / "tok"))
+    advice = refused(capsys, argv)  # the tokenizer's own checksum sees the edit first
+    assert "re-train the tokenizer" in advice or "`python -m data_prep tokenizer`" in advice, advice
+    assert main(tokenizer_args(made, tmp_path / "tok", "--overwrite")) == 0  # re-trained, over the damage
+    assert main(argv) == 0
