@@ -170,9 +170,9 @@ class PeakGuard:
     """Keeps MFU honest: the job's peak (one process's times world_size), re-measured once on CPU when a step's
     achieved rate exceeds it; a rate still above the peak makes that step's MFU unreliable (NaN)."""
 
-    def __init__(self, device: torch.device, precision: str, world_size: int, measure: bool = True):
+    def __init__(self, device: torch.device, precision: str, world_size: int):
         self.device, self.precision, self.world_size = device, precision, world_size
-        self.peak = device_peak(device, precision) if measure else Peak(float("nan"), "not measured on this rank")
+        self.peak = device_peak(device, precision)
         self.remeasured = False
         self.unreliable_steps = 0
 

@@ -5,7 +5,7 @@ auto: bf16 where the device computes bf16 natively (a GPU from Ampere on; a CPU 
 bf16: fp32 parameters and optimizer state, bf16 autocast for the matmuls, Polar Express in bf16 (the reference).
 fp32: everything in fp32 except Polar Express, which stays in bf16 as in the reference.
 Under bf16 and fp32, Muon's Polar Express runs in fp32 instead where the device has no native bf16: emulated, its
-bf16 matmuls took half of a parcae-tiny step on an AVX2 CPU (0.63 s of 1.3 s), against 0.05 s in fp32.
+bf16 matmuls would dominate a small model's step (the README's figures table has the measurement).
 fp64: everything in float64, Polar Express included: a verification precision (slow; CPU checks of exactness such
       as parallel layouts against one process, where fp32 rounding would otherwise be amplified by AdamW's tiny eps
       and by Muon's cautious weight decay).

@@ -58,13 +58,17 @@ def test_config_refusals_propose_settings_that_load(overrides, world, phrases):
     load_config(str(TINY), settings, world_size=world)  # the advice, followed: it loads
 
 
-def test_seq_len_of_the_shards_is_proposed_and_loads(tiny_shards):
-    settings = [f"data.shards={tiny_shards}", "model.vocab_size=512", "model.seq_len=64"]
+@pytest.mark.parametrize("given,expected", [("model.seq_len=64", "model.seq_len=32"),
+                                            ("model.vocab_size=300", "model.vocab_size=512")])
+def test_what_the_shards_need_is_proposed_and_loads(tiny_shards, given, expected):
+    """The shards hold 33-token rows of a 512-token vocabulary: a model that does not fit them is told the value."""
+    settings = [f"data.shards={tiny_shards}", "model.vocab_size=512", "model.seq_len=32", given]
     with pytest.raises(ConfigError) as refused:
         load_config(str(TINY), settings)
     settings += proposed(str(refused.value), "; set ")
-    assert settings[-1] == "model.seq_len=32"
-    assert load_config(str(TINY), settings).model.seq_len == 32
+    assert settings[-1] == expected
+    key, value = expected.split("=")
+    assert getattr(load_config(str(TINY), settings).model, key.split(".")[1]) == int(value)
 
 
 def test_too_few_micro_batches_for_the_pipeline_each_proposal_loads():
@@ -121,15 +125,6 @@ def test_an_unusable_config_file_is_replaced_by_the_one_named(tmp_path, make):
         load_config(str(path), [])
     named = re.search(r"(configs/[\w.-]+\.yaml)", str(refused.value)).group(1)
     assert load_config(str(REPO / named), []).model.arch == "parcae"
-
-
-def test_vocab_size_of_the_shards_is_proposed_and_loads(tiny_shards):
-    settings = [f"data.shards={tiny_shards}", "model.vocab_size=300", "model.seq_len=32"]
-    with pytest.raises(ConfigError) as refused:
-        load_config(str(TINY), settings)
-    settings += proposed(str(refused.value), "; set ")
-    assert settings[-1] == "model.vocab_size=512"
-    assert load_config(str(TINY), settings).model.vocab_size == 512
 
 
 def run_data_prep(command: str, **given: Path) -> int:
