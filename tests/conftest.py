@@ -13,6 +13,9 @@ if str(REPO) not in sys.path:
 # the CPU peaks that training runs measure go to a cache of this session (inherited by every process it starts):
 # measured while the suite loads the cores, they would be low, and they must not stay in the user's cache
 os.environ.setdefault("MEGALOOP_CACHE_DIR", tempfile.mkdtemp(prefix="megaloop-test-cache-"))
+# torch.compile's kernels likewise: a machine-wide /tmp/torchinductor_<user> left by an interrupted run, or by a run
+# under another CPU capability (ATEN_CPU_CAPABILITY), made the compile test abort; each session compiles afresh
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="megaloop-test-inductor-"))
 
 
 @pytest.fixture(scope="session")
