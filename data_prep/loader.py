@@ -61,12 +61,15 @@ class ShardLoader:
         tokenizer_hash: when given, must equal the manifest's tokenizer hash.
         select: select(step, sample_indices) -> positions of the global batch this rank reads (see the module
             docstring); None: the contiguous share of rank dp_rank.
+        pin_memory: the iterator's batches hold their tokens in page-locked memory (pinned in the prefetch
+            thread), so that a CUDA copy with non_blocking=True does not make the host wait. Needs CUDA.
     """
 
     def __init__(self, shard_dir, global_batch_size: int, dp_rank: int = 0, dp_size: int = 1, seed: int = 0,
                  split: str = "train", verify: str = "fast", on_corrupt: str = "error", prefetch: int = 2,
-                 tokenizer_hash: str | None = None, select=None):
+                 tokenizer_hash: str | None = None, select=None, pin_memory: bool = False):
         _check_layout(global_batch_size, dp_rank, dp_size)
+        self.pin_memory = pin_memory
         self.dataset = ShardDataset(shard_dir, split, verify, on_corrupt, tokenizer_hash)
         if len(self.dataset) == 0:
             raise DataPrepError(f"split {split!r} of {shard_dir} has no rows left to read "
@@ -108,6 +111,14 @@ class ShardLoader:
                 "row_id": torch.from_numpy(self.dataset.row_ids(rows)),
                 "epoch": torch.from_numpy(epochs), "step": torch.tensor(step)}
 
+    def _ready(self, step: int) -> dict:
+        """batch(step) as the iterator yields it: its tokens pinned when pin_memory (the copy runs here, in the
+        prefetch thread when there is one)."""
+        batch = self.batch(step)
+        if self.pin_memory:
+            batch["tokens"] = batch["tokens"].pin_memory()
+        return batch
+
     def _positions(self, step: int) -> np.ndarray:
         """Run-wide sample indices of this rank's rows of global batch `step`."""
         if self.select is None:
@@ -147,7 +158,7 @@ class ShardLoader:
         """Yield batches from `step` on, forever; `state_dict()` always reflects the batches already yielded."""
         if self.prefetch <= 0:
             while True:
-                batch = self.batch(self._step)
+                batch = self._ready(self._step)
                 self._step += 1
                 yield batch
         self._stop_prefetch()
@@ -190,7 +201,7 @@ class ShardLoader:
     def _produce(self, step: int, ready: queue.Queue, stop: threading.Event) -> None:
         while not stop.is_set():
             try:
-                item = (step, self.batch(step), None)
+                item = (step, self._ready(step), None)
             except Exception as err:  # handed to the consumer, which raises it
                 item = (step, None, err)
             while not stop.is_set():

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from megaloop.model.depth_plan import DepthPlan, RaggedPlan
+from megaloop.model.transfer import to_device
 
 
 @dataclass
@@ -33,12 +34,11 @@ def _slice(rows, p: int):
 
 
 def run_loop_ragged(lap: Callable, h0: torch.Tensor, rows: list, plan: RaggedPlan) -> LoopResult:
-    """h0 and rows in the caller's order; permuted by plan.order on the way in and back on the way out (the index
-    is built on the host and moved to the device once)."""
+    """h0 and rows in the caller's order; permuted by plan.order on the way in and back on the way out (the order
+    and its inverse are built on the host and moved to the device in one non-blocking copy per micro-batch)."""
     perm = inverse = None
     if not plan.is_identity:
-        perm = torch.from_numpy(plan.order).to(h0.device)
-        inverse = torch.from_numpy(np.argsort(plan.order)).to(h0.device)
+        perm, inverse = to_device(np.stack([plan.order, np.argsort(plan.order)]), h0.device)
         h0 = h0.index_select(0, perm)
         rows = [None if r is None else r.index_select(0, perm) for r in rows]
     outer_grad = torch.is_grad_enabled()
@@ -56,11 +56,12 @@ def run_loop_ragged(lap: Callable, h0: torch.Tensor, rows: list, plan: RaggedPla
 
 
 def _masked_phase(lap, h, h_prev, rows, steps: np.ndarray, n_steps: int):
-    """n_steps laps over every row; row i is updated while t < steps[i] (masks built on the host, moved once)."""
+    """n_steps laps over every row; row i is updated while t < steps[i] (masks built on the host, moved once,
+    without blocking)."""
     if n_steps == 0:
         return h, h_prev
     everyone = bool((steps == n_steps).all())
-    active = torch.from_numpy(np.arange(n_steps)[:, None] < steps[None, :]).to(h.device).view(n_steps, -1, 1, 1)
+    active = to_device(np.arange(n_steps)[:, None] < steps[None, :], h.device).view(n_steps, -1, 1, 1)
     for t in range(n_steps):
         new = lap(h, *rows)
         if everyone:

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from megaloop.model.depth_plan import DepthPlan, RaggedPlan
 from megaloop.model.execution import maybe_checkpoint
 from megaloop.model.looped import LoopedLM
+from megaloop.model.transfer import to_device
 
 
 SPLITS = ("even", "balanced")
@@ -179,14 +180,31 @@ class LoopedStageProgram:
         self._prev: dict[int, torch.Tensor] = {}  # last rank: the state leaving each micro-batch's second-last lap
         self.losses: dict[int, torch.Tensor] = {}
         self._state: dict[int, dict] = {}  # last rank: state_norm and recurrent_residual of each micro-batch
+        self._indices: dict[int, torch.Tensor] = {}  # plan order and inverse on the device, per micro-batch
+        self._ids_in_order: dict[int, torch.Tensor] = {}
 
     def specs(self) -> list[dict]:
         """micro_batch_spec of every micro-batch, in order."""
         return [micro_batch_spec(self.model, mb) for mb in self.batches]
 
+    def _index(self, mb: int, device: torch.device) -> torch.Tensor:
+        """[2, rows]: micro-batch `mb`'s plan order and its inverse on `device`, moved once per micro-batch (one
+        non-blocking copy; every lap reuses it)."""
+        index = self._indices.get(mb)
+        if index is None or index.device != device:
+            order = self.plans[mb].order
+            index = self._indices[mb] = to_device(np.stack([order, np.argsort(order)]), device)
+        return index
+
     def _permuted(self, mb: int, x: torch.Tensor) -> torch.Tensor:
-        plan = self.plans[mb]
-        return x if plan.is_identity else x.index_select(0, torch.from_numpy(plan.order).to(x.device))
+        return x if self.plans[mb].is_identity else x.index_select(0, self._index(mb, x.device)[0])
+
+    def _ids(self, mb: int) -> torch.Tensor:
+        """Micro-batch `mb`'s input ids in plan order (permuted once, sliced by every lap)."""
+        ids = self._ids_in_order.get(mb)
+        if ids is None:
+            ids = self._ids_in_order[mb] = self._permuted(mb, self.batches[mb].input_ids)
+        return ids
 
     def embed(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rank 0: (the kept term of e in plan order, h_0's rows active in lap 0); see the module docstring."""
@@ -209,7 +227,7 @@ class LoopedStageProgram:
             h0 = self._h0[mb] if lap < self.plans[mb].laps - 1 else self._h0.pop(mb)
             if h.shape[0] < rows:  # rows that start looping in this lap enter with their h_0
                 h = torch.cat([h, h0[h.shape[0]:rows]])
-        ids = self._permuted(mb, self.batches[mb].input_ids)[:rows]
+        ids = self._ids(mb)[:rows]
         whole = self.model.activation_checkpointing == "lap"
         with self.autocast():
             out = maybe_checkpoint(whole, self._segment, h, None if e is None else e[:rows], ids).to(self.dtype)
@@ -234,7 +252,7 @@ class LoopedStageProgram:
         if model.injection is not None:
             self._state[mb] = self._state_telemetry(mb, h.detach())
         if not plan.is_identity:
-            h = h.index_select(0, torch.from_numpy(np.argsort(plan.order)).to(h.device))
+            h = h.index_select(0, self._index(mb, h.device)[1])
         with self.autocast():
             logits = model.logits(model.decode(h, model.context(batch.input_ids, core_values=False)))
             loss = self.loss_fn(logits, batch.labels)

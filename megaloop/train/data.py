@@ -16,7 +16,9 @@ from megaloop.config import Config, ConfigError
 
 
 class ShardData:
-    def __init__(self, cfg: Config, dp_rank: int, dp_size: int):
+    """pin: the training batches' tokens pinned in the loader's prefetch thread (`pin_batches`)."""
+
+    def __init__(self, cfg: Config, dp_rank: int, dp_size: int, pin: bool = False):
         from data_prep.loader import ShardLoader
         from data_prep.manifest import read_manifest
 
@@ -25,7 +27,7 @@ class ShardData:
         self.manifest = read_manifest(d.shards)
         self.loader = ShardLoader(d.shards, d.global_batch_size, dp_rank, dp_size, seed=cfg.train.seed,
                                   verify=d.verify, on_corrupt=d.on_corrupt, prefetch=d.prefetch,
-                                  select=rank_selection(cfg, dp_rank, dp_size))
+                                  select=rank_selection(cfg, dp_rank, dp_size), pin_memory=pin)
         self.bytes_per_token = _bytes_per_token(self.manifest, "val")
         self._val = None
         self._ahead = None  # the training iterator whose first batch read_first_batch read
@@ -95,8 +97,17 @@ def _bytes_per_token(manifest: dict, split: str) -> float | None:
     return sum(s["size"] for s in sources) / tokens if tokens else None
 
 
-def open_data(cfg: Config, dp_rank: int, dp_size: int) -> ShardData:
+def pin_batches(device) -> bool:
+    """Whether the loader pins the training batches for `device`: on a CUDA device, where a copy from pinned
+    memory with non_blocking=True is queued without making the host wait (and pinning is possible at all)."""
+    from megaloop.model.transfer import pins
+
+    return device is not None and pins(device)
+
+
+def open_data(cfg: Config, dp_rank: int, dp_size: int, device=None) -> ShardData:
+    """The run's data for data-parallel rank dp_rank of dp_size; `device`: where the batches go (pin_batches)."""
     if cfg.data.shards is None:
         raise ConfigError("data.shards", None, "set it to a directory written by `python -m data_prep shards` "
                           "(e.g. --set data.shards=runs/quickstart/shards)")
-    return ShardData(cfg, dp_rank, dp_size)
+    return ShardData(cfg, dp_rank, dp_size, pin=pin_batches(device))

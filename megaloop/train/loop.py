@@ -22,7 +22,7 @@ from megaloop.train.peak import PeakGuard, cpu_peak
 from megaloop.train.precision import PrecisionChoice, apply_optimizer_precision, param_dtype, resolve_precision
 from megaloop.train.metrics import MetricsWriter
 from megaloop.train.progress import Progress
-from megaloop.train.step import reduce_step, train_step
+from megaloop.train.step import StepTimer, reduce_step, train_step
 from megaloop.train.stopping import StopRequests, deadline_from
 
 
@@ -84,7 +84,7 @@ def train(cfg: Config, runtime=None) -> RunSummary:
     owns_runtime = runtime is None
     runtime = runtime or make_runtime(cfg, device)
     out_dir = Path(cfg.train.out_dir)
-    data = open_data(cfg, runtime.dp_rank, runtime.dp_size)  # fails early on bad data, before the model
+    data = open_data(cfg, runtime.dp_rank, runtime.dp_size, device)  # fails early on bad data, before the model
     model, optimizer = build_model_and_optimizer(cfg, runtime, device, choice.native_bf16)
     ckpt = RunCheckpoints(cfg, runtime)
     idle = False
@@ -204,12 +204,14 @@ def _run_steps(cfg, model, optimizer, sampler, flop_model, data, runtime, writer
     model.train()
     batches = data.train_batches()
     consecutive_skips = 0
+    timer = StepTimer(runtime.device)  # one over the steps: on a GPU each step's times are read at the next
     for step in range(summary.start_step, cfg.train.steps):
         t0 = time.perf_counter()
         batch = next(batches)
         t_data = time.perf_counter() - t0
         depth_sample = sampler.sample(step, batch["sample_index"])
-        stats = train_step(model, optimizer, batch, depth_sample, step, cfg.train.seed, cfg, runtime, flop_model)
+        stats = train_step(model, optimizer, batch, depth_sample, step, cfg.train.seed, cfg, runtime, flop_model,
+                           timer=timer)
         flag.note_step(time.perf_counter() - t0)
         flag.note_save(ckpt.slowest_save_s)
         seq = batch["tokens"].shape[1] - 1

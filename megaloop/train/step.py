@@ -20,6 +20,7 @@ import torch
 
 from megaloop.depth.balance import idle_fraction, split_rank_rows
 from megaloop.model.stages import StageMicroBatch
+from megaloop.model.transfer import to_device
 from megaloop.train.flops import FlopModel
 from megaloop.train.precision import autocast_for
 
@@ -63,12 +64,19 @@ def plan_step(depth_sample, micro_batch_size: int, by_depth: bool) -> list[Micro
 
 
 class StepTimer:
-    """forward/backward times summed over micro-batches, and the gradient reduction + optimizer: CUDA events on a GPU (read once, after the step's
-    synchronising reduction), wall clock on the CPU (where work is synchronous)."""
+    """forward/backward times summed over micro-batches, and the gradient reduction + optimizer. On the CPU (where
+    work is synchronous): wall clock, read at the end of the step. On a GPU: CUDA events, read one step later, so
+    that reading them never waits for the device (by then the step's skip decision has synchronised past them);
+    one timer lives across the steps and `totals()` at step s returns step s-1's times (NaN at a job's first)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.spans = {"forward": [], "backward": [], "optimizer": []}
+        self.spans = self._empty()
+        self.pending = None  # CUDA: the previous step's spans, read at this step's end
+
+    @staticmethod
+    def _empty() -> dict:
+        return {"forward": [], "backward": [], "optimizer": []}
 
     def mark(self):
         if self.cuda:
@@ -81,26 +89,35 @@ class StepTimer:
         self.spans[name].append((start, end))
 
     def totals(self) -> dict:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return {k: sum(a.elapsed_time(b) for a, b in v) / 1e3 for k, v in self.spans.items()}
-        return {k: sum(b - a for a, b in v) for k, v in self.spans.items()}
+        """This step's times (CPU) or the previous step's (CUDA); starts the next step's spans."""
+        spans, self.spans = self.spans, self._empty()
+        if not self.cuda:
+            return {k: sum(b - a for a, b in v) for k, v in spans.items()}
+        previous, self.pending = self.pending, spans
+        if previous is None:
+            return dict.fromkeys(spans, float("nan"))
+        for _, end in (pair for v in previous.values() for pair in v):
+            end.synchronize()  # recorded before this step's work: complete already, so this does not wait
+        return {k: sum(a.elapsed_time(b) for a, b in v) / 1e3 for k, v in previous.items()}
 
 
 def train_step(model, optimizer, batch: dict, depth_sample, step: int, seed: int, cfg, runtime,
-               flop_model: FlopModel, loop_guard=contextlib.nullcontext) -> StepStats:
+               flop_model: FlopModel, loop_guard=contextlib.nullcontext, timer: StepTimer | None = None
+               ) -> StepStats:
     """batch: {"tokens": [rows, S+1], "sample_index": [rows]}: this data-parallel rank's rows (any number).
-    `loop_guard()` is entered around the micro-batch loop (tests count host syncs inside it)."""
+    `loop_guard()` is entered around the micro-batches' assembly and loop (tests count host syncs and blocking
+    host-to-device copies inside it). `timer`: one StepTimer kept over the steps (on a GPU it reports the previous
+    step's times; a fresh one per step reports NaN there)."""
     tokens, sample_index = batch["tokens"], batch["sample_index"]
     device, seq = runtime.device, tokens.shape[1] - 1
     global_tokens = cfg.data.global_batch_size * seq  # a host integer: the loss is the global token mean
     plan = plan_step(depth_sample, cfg.data.micro_batch_size, cfg.train.bucket_depths)
-    stats, timer = StepStats(), StepTimer(device)
+    stats, timer = StepStats(), timer or StepTimer(device)
     _count_host(stats, plan, depth_sample, flop_model, seq)
-    micro_batches = [_stage_micro_batch(tokens, sample_index, mb, device, (seed, step)) for mb in plan]
     scales = [len(mb.rows) * seq / global_tokens for mb in plan]  # each one's share of the global token mean
     autocast = functools.partial(autocast_for, cfg.train.precision, device)
     with loop_guard():
+        micro_batches = _stage_micro_batches(tokens, sample_index, plan, device, (seed, step))
         results = runtime.run_micro_batches(model, micro_batches, scales, autocast, timer)
         for mb, result in zip(plan, results):
             _accumulate(stats, result, mb, len(mb.rows) * seq)
@@ -109,16 +126,24 @@ def train_step(model, optimizer, batch: dict, depth_sample, step: int, seed: int
     stats.record = optimizer.step(step)
     optimizer.zero_grad(set_to_none=True)
     timer.add("optimizer", t2, timer.mark())
-    stats.times.update(timer.totals())  # on a GPU: the step's one synchronisation, after all its work is queued
+    stats.times.update(timer.totals())  # on a GPU the previous step's: no synchronisation here
     return stats
 
 
-def _stage_micro_batch(tokens, sample_index, mb: MicroBatch, device, seed_step: tuple) -> StageMicroBatch:
-    """Micro-batch `mb`'s rows as the model takes them: inputs and next-token labels on `device`, host depths, and
-    h_0's noise key (seed, step, the rows' global sample indices)."""
-    rows = torch.from_numpy(mb.rows)
-    ids = tokens[rows].to(device, non_blocking=True)
-    return StageMicroBatch(ids[:, :-1], ids[:, 1:], mb.depth, mb.backprop_depth, (*seed_step, sample_index[rows]))
+def _stage_micro_batches(tokens, sample_index, plan: list[MicroBatch], device, seed_step: tuple) -> list:
+    """The micro-batches' rows as the model takes them (StageMicroBatch): inputs and next-token labels on `device`,
+    host depths, and h_0's noise key (seed, step, the rows' global sample indices). The batch's tokens (pinned by
+    the loader where the device is CUDA) and the micro-batches' row order each go to the device in one
+    non-blocking copy; each micro-batch is a slice of the reordered rows."""
+    if not plan:
+        return []
+    ids = to_device(tokens, device).index_select(0, to_device(np.concatenate([mb.rows for mb in plan]), device))
+    out, start = [], 0
+    for mb in plan:
+        part, start = ids[start:start + len(mb.rows)], start + len(mb.rows)
+        noise_key = (*seed_step, sample_index[torch.from_numpy(mb.rows)])
+        out.append(StageMicroBatch(part[:, :-1], part[:, 1:], mb.depth, mb.backprop_depth, noise_key))
+    return out
 
 
 def _count_host(stats: StepStats, plan: list[MicroBatch], depth_sample, flop_model: FlopModel, seq: int) -> None:
@@ -173,7 +198,7 @@ def pack(stats: StepStats, flop_model: FlopModel, seq: int, dp_rank: int, dp_siz
     slots[dp_rank] = zero + stats.core_rows
     stops = [float(stop_code == code) for code in range(1, STOP_CODES + 1)]
     return torch.cat([torch.stack(parts + slots),
-                      torch.tensor(host + stops, dtype=torch.float64).to(device, non_blocking=True)])
+                      to_device(torch.tensor(host + stops, dtype=torch.float64), device)])
 
 
 def _executed_flops(stats: StepStats, flop_model: FlopModel, seq: int) -> float:

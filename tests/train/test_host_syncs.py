@@ -1,10 +1,20 @@
-"""The training step reads nothing back from the device inside its micro-batch loop, and talks to the other ranks
-once per step for its statistics.
+"""The training step neither reads back from the device nor makes a blocking host-to-device copy inside its
+micro-batch loop, and talks to the other ranks once per step for its statistics.
 
-A TorchDispatchMode, active around every step's micro-batch loop (forwards and backwards included), counts the ops
-that make the host wait for a value: aten._local_scalar_dense (.item(), float(), bool() of a tensor) and the
-data-dependent shapes aten.nonzero / masked_select. On the CPU these are as visible as on a GPU. Expected: zero, on
-one process and under dp2 with depth balancing (micro-batches of different sizes on the two ranks).
+A TorchDispatchMode, active around every step's micro-batch assembly and loop (forwards and backwards included),
+counts the ops that make the host wait for a value: aten._local_scalar_dense (.item(), float(), bool() of a tensor)
+and the data-dependent shapes aten.nonzero / masked_select. On the CPU these are as visible as on a GPU.
+
+Blocking host-to-device copies are counted by emulating a CUDA device on the CPU. Every host tensor is on the CPU
+here, so a `Tensor.to(<device>)` / `Tensor.cuda()` of a CPU tensor inside the loop is what would be a host-to-device
+copy on a GPU (a copy between two device tensors is never written that way in the step: the device tensors it makes
+are created there). Such a copy counts as blocking unless it asks for non_blocking=True AND its source is pinned,
+which is what CUDA needs to queue it without stalling the host. Pinning is emulated: megaloop.model.transfer.pins
+answers True (the code takes its CUDA path: the loader and to_device pin), Tensor.pin_memory returns a marked copy
+and Tensor.is_pinned reads the mark. A pageable source or a missing non_blocking is counted, with its caller.
+Not seen: Tensor.copy_ between a host and a device tensor (nothing in the step writes one). Expected: zero syncs and
+zero blocking copies, on one process, under dp2 with depth balancing (micro-batches of different sizes on the two
+ranks) and under pp2 (the ring stages' per-lap work).
 
 The collectives of a dp2 step (from the start of train_step to the end of its statistics reduction) are counted by
 wrapping torch.distributed's functions and attributed by the caller: exactly one is the packed statistics reduction
@@ -13,6 +23,7 @@ wrapping torch.distributed's functions and attributed by the caller: exactly one
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import traceback
 
@@ -20,6 +31,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import megaloop.model.transfer as transfer
 import megaloop.train.loop as loop
 from megaloop.config import load_config
 from megaloop.train.loop import train
@@ -36,6 +48,7 @@ COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "reduce_scatter_tensor", "r
                "broadcast", "broadcast_object_list", "barrier", "monitored_barrier", "reduce", "send", "recv", "isend",
                "irecv", "batch_isend_irecv", "all_to_all", "all_to_all_single", "scatter", "gather", "gather_object",
                "scatter_object_list", "_all_gather_base", "_reduce_scatter_base", "_broadcast_coalesced")
+P2P_OPS = ("isend", "irecv")
 STEPS = 3
 
 
@@ -53,11 +66,70 @@ class SyncCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def overrides(shards, out_dir, dp: int) -> list[str]:
+class CopyCounter:
+    """Counts host-to-device copies that would block on a CUDA device (see the module docstring), while `active`."""
+
+    def __init__(self):
+        self.active = False
+        self.blocking: list[str] = []
+
+    def __enter__(self):
+        self.active = True
+        return self
+
+    def __exit__(self, *exc):
+        self.active = False
+
+    def check(self, tensor: torch.Tensor, args: tuple, kwargs: dict, positional_non_blocking: int) -> None:
+        device = kwargs.get("device", next((a for a in args if isinstance(a, (str, torch.device))), None))
+        if not self.active or tensor.device.type != "cpu" or device is None:
+            return  # a dtype conversion, or outside the loop
+        non_blocking = kwargs.get("non_blocking", len(args) > positional_non_blocking
+                                  and args[positional_non_blocking] is True)
+        if non_blocking and getattr(tensor, "_pinned_for_test", False):
+            return
+        why = "pageable source" if non_blocking else "non_blocking=False"
+        self.blocking.append(f"{why}: " + "".join(traceback.format_list(traceback.extract_stack()[-4:-2])))
+
+
+@contextlib.contextmanager
+def emulated_cuda_copies(copies: CopyCounter):
+    """Tensor.to / .cuda checked by `copies`; pinning answered by the CPU (marked copies)."""
+    real = {name: getattr(torch.Tensor, name) for name in ("to", "cuda", "pin_memory", "is_pinned")}
+    real_pins = transfer.pins
+
+    def to(self, *args, **kwargs):
+        copies.check(self, args, kwargs, 1 if args and isinstance(args[0], (str, torch.device)) else 2)
+        return real["to"](self, *args, **kwargs)
+
+    def cuda(self, device=None, non_blocking=False, **kwargs):
+        copies.check(self, ("cuda",), {"non_blocking": non_blocking}, 1)
+        return self  # the copy itself is not made: there is no device here
+
+    def pin_memory(self, device=None):
+        pinned = self.clone()
+        pinned._pinned_for_test = True
+        return pinned
+
+    def is_pinned(self, device=None):
+        return getattr(self, "_pinned_for_test", False)
+
+    for name, fn in {"to": to, "cuda": cuda, "pin_memory": pin_memory, "is_pinned": is_pinned}.items():
+        setattr(torch.Tensor, name, fn)
+    transfer.pins = lambda device: True
+    try:
+        yield copies
+    finally:
+        for name, fn in real.items():
+            setattr(torch.Tensor, name, fn)
+        transfer.pins = real_pins
+
+
+def overrides(shards, out_dir, dp: int, pp: int = 1) -> list[str]:
     """Per-sequence depths, micro-batches of 2 out of 8 rows: several micro-batches of different depths."""
     return fast_overrides(shards, out_dir, steps=STEPS) + [
         "data.micro_batch_size=2", "data.val_batches=0", "train.val_every=1000", f"parallel.dp={dp}",
-        "train.precision=fp64"]
+        f"parallel.pp={pp}", "train.precision=fp64"]
 
 
 def _origin(name: str, stack) -> str:
@@ -71,15 +143,21 @@ def _origin(name: str, stack) -> str:
 
 
 def traced_train(cfg, runtime=None) -> dict:
-    """Run the trainer with the loop guard counting host syncs and the collectives of each step attributed."""
-    counter = SyncCounter()
+    """Run the trainer with the loop guard counting host syncs and blocking host-to-device copies, and the
+    collectives of each step attributed."""
+    counter, copies = SyncCounter(), CopyCounter()
     calls, active = [], {"on": False}
     real_step, real_reduce = loop.train_step, loop.reduce_step
+
+    @contextlib.contextmanager
+    def guard():
+        with counter, copies:
+            yield
 
     def train_step(*args, **kwargs):
         active["on"] = True
         calls.append("step")
-        return real_step(*args, loop_guard=lambda: counter, **kwargs)
+        return real_step(*args, loop_guard=guard, **kwargs)
 
     def reduce_step(*args, **kwargs):
         try:
@@ -102,12 +180,14 @@ def traced_train(cfg, runtime=None) -> dict:
         return wrapper
 
     dist = torch.distributed
-    saved = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+    # isend/irecv stay as they are: P2POp accepts only those two functions (batch_isend_irecv is counted)
+    saved = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name) and name not in P2P_OPS}
     loop.train_step, loop.reduce_step = train_step, reduce_step
     for name, fn in saved.items():
         setattr(dist, name, wrap(name, fn))
     try:
-        summary = train(cfg, runtime)
+        with emulated_cuda_copies(copies):
+            summary = train(cfg, runtime)
     finally:
         loop.train_step, loop.reduce_step = real_step, real_reduce
         for name, fn in saved.items():
@@ -121,14 +201,16 @@ def traced_train(cfg, runtime=None) -> dict:
             current["other"].append(c)
         else:
             current[c] += 1
-    return {"syncs": list(counter.seen), "per_step": per_step, "steps": calls.count("step"), "losses": summary.losses}
+    return {"syncs": list(counter.seen), "blocking_copies": copies.blocking, "per_step": per_step, "steps": calls.count("step"), "losses": summary.losses}
 
 
 def test_no_host_sync_in_the_micro_batch_loop_single_process(tiny_shards, tmp_path):
     got = traced_train(load_config(TINY, overrides(tiny_shards, tmp_path, 1)))
-    print(f"one process, {got['steps']} steps: host syncs in the micro-batch loops: {len(got['syncs'])}")
+    print(f"one process, {got['steps']} steps: host syncs in the micro-batch loops: {len(got['syncs'])}, "
+          f"blocking host-to-device copies: {len(got['blocking_copies'])}")
     assert got["steps"] == STEPS and len(got["losses"]) == STEPS
     assert got["syncs"] == []
+    assert got["blocking_copies"] == [], got["blocking_copies"][0]
 
 
 def test_counter_sees_a_host_sync(tiny_shards, tmp_path):
@@ -141,20 +223,43 @@ def test_counter_sees_a_host_sync(tiny_shards, tmp_path):
     assert counter.seen == ["_local_scalar_dense", "nonzero"]
 
 
-def _dp2_worker(rank: int, world: int, shards: str, out_dir: str, result: str) -> None:
-    got = traced_train(load_config(TINY, overrides(shards, f"{out_dir}/dp2", 2)))
+def test_copy_counter_sees_blocking_copies():
+    """A pageable source, or a pinned one without non_blocking, is counted; a pinned non-blocking copy, a dtype
+    conversion and a copy outside the loop are not. The emulation leaves torch as it was."""
+    with emulated_cuda_copies(CopyCounter()) as copies:
+        host = torch.arange(4)
+        host.to("cpu", non_blocking=True)
+        with copies:
+            host.to("cpu", non_blocking=True)  # pageable
+            host.pin_memory().to(torch.device("cpu"))  # pinned, blocking
+            host.cuda()
+            transfer.to_device(host.numpy(), "cpu")  # pinned (pins answers True) and non-blocking
+            host.to(torch.float64)
+    assert [b.split(":")[0] for b in copies.blocking] == ["pageable source", "non_blocking=False",
+                                                          "non_blocking=False"]
+    assert not transfer.pins("cpu") and not hasattr(torch.arange(2).pin_memory, "__wrapped__")
+
+
+def _worker(rank: int, world: int, shards: str, out_dir: str, result: str, dp: int, pp: int) -> None:
+    got = traced_train(load_config(TINY, overrides(shards, f"{out_dir}/run", dp, pp)))
     torch.save(got, f"{result}.{rank}")
 
 
 @pytest.mark.multiproc
-def test_no_host_sync_and_one_stats_reduction_per_step_dp2(tiny_shards, tmp_path):
-    spawn(_dp2_worker, 2, str(tiny_shards), str(tmp_path), str(tmp_path / "result"))
+@pytest.mark.parametrize("dp,pp", [(2, 1), (1, 2)], ids=["dp2", "pp2"])
+def test_no_host_sync_and_one_stats_reduction_per_step(tiny_shards, tmp_path, dp, pp):
+    """dp2: no sync or blocking copy, one statistics reduction per step and the rest from gradient/optimizer calls;
+    pp2: no sync or blocking copy in the ring stages (their point-to-point messages are the ring's own traffic)."""
+    spawn(_worker, 2, str(tiny_shards), str(tmp_path), str(tmp_path / "result"), dp, pp)
     for rank in range(2):
         got = torch.load(tmp_path / f"result.{rank}")
-        print(f"dp2 rank {rank}: host syncs in the micro-batch loops: {len(got['syncs'])}; collectives per step: "
+        print(f"dp{dp} pp{pp} rank {rank}: host syncs in the micro-batch loops: {len(got['syncs'])}, blocking "
+              f"host-to-device copies: {len(got['blocking_copies'])}; collectives per step: "
               + ", ".join(f"{s['stats']} statistics + {s['gradient']} gradient/optimizer" for s in got["per_step"]))
         assert got["syncs"] == []
+        assert got["blocking_copies"] == [], got["blocking_copies"][0]
         assert len(got["per_step"]) == STEPS
         for step in got["per_step"]:
-            assert step["other"] == [], step["other"][0]
             assert step["stats"] == 1 and step["gradient"] >= 1
+            if pp == 1:
+                assert step["other"] == [], step["other"][0]

@@ -1,0 +1,24 @@
+"""Host-built tensors (index orders, masks, token rows) moved to the compute device without making the host wait.
+
+A copy from pageable host memory to a CUDA device is synchronous: the host stalls until the device stream has
+caught up. From page-locked (pinned) memory with non_blocking=True it is queued on the stream like a kernel, and the
+CUDA caching host allocator keeps the pinned block alive until the copy has run. `to_device` pins when the target
+is a CUDA device (`pins`) and always asks for a non-blocking copy; on the CPU the tensor is returned as it is.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def pins(device: torch.device | str) -> bool:
+    """Whether host tensors bound for `device` are pinned first (a CUDA device: pinning needs the CUDA driver)."""
+    return torch.device(device).type == "cuda"
+
+
+def to_device(x: np.ndarray | torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`x` (a numpy array or a host tensor) on `device`: pinned and copied with non_blocking=True where `pins`."""
+    t = torch.from_numpy(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else x
+    if t.device.type == "cpu" and pins(device) and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
