@@ -63,13 +63,16 @@ class ShardLoader:
             docstring); None: the contiguous share of rank dp_rank.
         pin_memory: the iterator's batches hold their tokens in page-locked memory (pinned in the prefetch
             thread), so that a CUDA copy with non_blocking=True does not make the host wait. Needs CUDA.
+        prepare: prepare(step, batch), called for each batch the iterator yields, before it is handed over (in
+            the prefetch thread when there is one): host work for a coming step that need not wait for it. An
+            exception in it reaches the consumer like a read error.
     """
 
     def __init__(self, shard_dir, global_batch_size: int, dp_rank: int = 0, dp_size: int = 1, seed: int = 0,
                  split: str = "train", verify: str = "fast", on_corrupt: str = "error", prefetch: int = 2,
-                 tokenizer_hash: str | None = None, select=None, pin_memory: bool = False):
+                 tokenizer_hash: str | None = None, select=None, pin_memory: bool = False, prepare=None):
         _check_layout(global_batch_size, dp_rank, dp_size)
-        self.pin_memory = pin_memory
+        self.pin_memory, self.prepare = pin_memory, prepare
         self.dataset = ShardDataset(shard_dir, split, verify, on_corrupt, tokenizer_hash)
         if len(self.dataset) == 0:
             raise DataPrepError(f"split {split!r} of {shard_dir} has no rows left to read "
@@ -112,11 +115,13 @@ class ShardLoader:
                 "epoch": torch.from_numpy(epochs), "step": torch.tensor(step)}
 
     def _ready(self, step: int) -> dict:
-        """batch(step) as the iterator yields it: its tokens pinned when pin_memory (the copy runs here, in the
-        prefetch thread when there is one)."""
+        """batch(step) as the iterator yields it: its tokens pinned when pin_memory, then `prepare` run on it (here,
+        in the prefetch thread when there is one)."""
         batch = self.batch(step)
         if self.pin_memory:
             batch["tokens"] = batch["tokens"].pin_memory()
+        if self.prepare is not None:
+            self.prepare(step, batch)
         return batch
 
     def _positions(self, step: int) -> np.ndarray:

@@ -20,7 +20,9 @@ counted on the first stage only. The data-parallel reduction runs after the ring
 """
 from __future__ import annotations
 
+import collections
 import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -82,6 +84,17 @@ def forward_orders(specs, pp: int) -> list[list]:
     return [[a for a in actions if rank_of(a, pp) == rank] for rank in range(pp)]
 
 
+SCHEDULES_KEPT = 16  # ring schedules kept by their micro-batch specs (the loader prefetches a few steps ahead)
+
+
+def one_autocast_region(device: torch.device):
+    """One autocast region around a ring run. The stage program enters autocast for each of its actions; nested in
+    this region, leaving one does not end the region, and autocast keeps the low-precision copy of each weight it
+    casts until the outermost region ends: a weight is cast once per run instead of once per lap and micro-batch.
+    Autocast is off in the region itself, so the executor's backward calls run as they would outside autocast."""
+    return torch.autocast(torch.device(device).type, enabled=False)
+
+
 class PipelineRuntime(ParallelRuntime):
     """Ring pipeline x tensor x data parallelism for the trainer; see the module docstring. At most `in_flight` x pp
     micro-batches hold lap activations at once on any rank (the ring schedule's memory bound; 2 x that many are
@@ -98,7 +111,9 @@ class PipelineRuntime(ParallelRuntime):
         self.check_messages = check_messages
         self.stage, self.pp = layout.pp_rank, layout.pp
         self.shared: set[str] = set()
-        self._schedule: tuple = (None, [])  # (the specs' key, this rank's actions): the last step's
+        self._schedules: collections.OrderedDict = collections.OrderedDict()  # specs' key -> this rank's actions
+        self._schedules_lock = threading.Lock()
+        self.schedules_made_in_step = 0  # schedules generated inside run_micro_batches (not ahead of the step)
 
     pp_size = property(lambda self: self.layout.pp)
 
@@ -144,12 +159,34 @@ class PipelineRuntime(ParallelRuntime):
         t0 = timer.mark()
         program = self._program(model, micro_batches, scales, autocast)
         specs = [MicroBatch(**spec) for spec in program.specs()]
-        key = tuple((s.laps, s.grad_laps, s.active) for s in specs)
-        if self._schedule[0] != key:
-            self._schedule = key, ring_schedule(specs, self.pp, max_in_flight=self.in_flight * self.pp)[self.stage]
-        self._executor(program).run(self._schedule[1], specs)
+        actions = self._schedule(specs, ahead=False)
+        with one_autocast_region(self.device):
+            self._executor(program).run(actions, specs)
         timer.add("forward", t0, timer.mark())
         return [self._result(program, mb) for mb in range(len(specs))]
+
+    def plan_ahead(self, model: PipelineStage, micro_batches) -> None:
+        """Generate and keep the ring schedule of a coming step's micro-batches (host tensors are enough: only
+        their shapes and depths count), so that run_micro_batches finds it made. Thread-safe: the trainer calls it
+        from the data loader's prefetch thread while the device runs the current step."""
+        program = self._program(model, micro_batches, [1.0] * len(micro_batches), contextlib.nullcontext)
+        self._schedule([MicroBatch(**spec) for spec in program.specs()], ahead=True)
+
+    def _schedule(self, specs, ahead: bool) -> list:
+        """This rank's actions for `specs`: the kept schedule of the same specs, else generated now (and kept; the
+        last SCHEDULES_KEPT are)."""
+        key = tuple((s.laps, s.grad_laps, s.active) for s in specs)
+        with self._schedules_lock:
+            actions = self._schedules.get(key)
+        if actions is None:
+            actions = ring_schedule(specs, self.pp, max_in_flight=self.in_flight * self.pp)[self.stage]
+            self.schedules_made_in_step += not ahead
+        with self._schedules_lock:
+            self._schedules[key] = actions
+            self._schedules.move_to_end(key)
+            while len(self._schedules) > SCHEDULES_KEPT:
+                self._schedules.popitem(last=False)
+        return actions
 
     def overlap_next_backward(self) -> None:
         """Nothing: under the ring the data-parallel reduction runs after the step's last backward."""
@@ -170,7 +207,8 @@ class PipelineRuntime(ParallelRuntime):
             group = list(micro_batches[lo:lo + self.pp])
             program = self._program(model, group, [1.0] * len(group), autocast)
             specs = [MicroBatch(**spec | {"grad_laps": 1}) for spec in program.specs()]
-            self._executor(program).run(with_p2p(forward_orders(specs, self.pp), specs)[self.stage], specs)
+            with one_autocast_region(self.device):
+                self._executor(program).run(with_p2p(forward_orders(specs, self.pp), specs)[self.stage], specs)
             if self.stage == self.pp - 1:
                 losses[lo:lo + len(group)] = torch.stack([program.losses[mb] for mb in range(len(group))]).cpu()
         losses = losses.to(self._comm_device())

@@ -16,6 +16,8 @@ class ParallelConfig:
     #                        schedule's memory bound; `python -m megaloop plan --pp` shows the memory it takes)
     pp_split: str = "even"  # pp > 1: core blocks per stage: even (sizes differ by at most one) | balanced (fewer on
     #                         the end stages, which also run the prelude or the coda and head)
+    pp_message_dtype: str | None = None  # pp > 1: the dtype of the states and gradients sent between stages: fp32 |
+    #                                       bf16 (None: the compute dtype, bf16 under train.precision=bf16)
     dp: int | None = None
     sequence_parallel: bool | None = None  # None: on when tp > 1
     engine: str = "native"  # native | deepspeed
@@ -37,6 +39,8 @@ class ParallelConfig:
         check_choice("parallel.pp_split", self.pp_split, ("even", "balanced"))
         check_choice("parallel.backend", self.backend, ("auto", "gloo", "nccl"))
         check_choice("parallel.grad_reduce_dtype", self.grad_reduce_dtype, ("fp32", "bf16"))
+        if self.pp_message_dtype is not None:
+            check_choice("parallel.pp_message_dtype", self.pp_message_dtype, ("fp32", "bf16"))
         if self.dp_balance is not None:
             check_choice("parallel.dp_balance", self.dp_balance, ("depth", "rows"))
         if not self.timeout_s > 0:

@@ -154,13 +154,16 @@ class LoopedStageProgram:
 
     loss_fn(logits, labels) -> the mean token loss (default: cross-entropy ignoring -100; a tensor-parallel runtime
     passes its vocabulary-parallel one); every computation runs under `autocast()`; `split`: the core split
-    (stage_ranges), as stage_parameter_names was given it. After a run, `losses[mb]` holds
+    (stage_ranges), as stage_parameter_names was given it; `message_dtype`: the dtype of the states that travel to
+    another rank and so of their gradients (default: the parameters' dtype; a received state is cast to that on
+    arrival, a state leaving for another rank to message_dtype, one staying on this rank is not cast). After a run, `losses[mb]` holds
     the last rank's unscaled losses and `telemetry(mb)` what LoopedLM.forward reports, each value on the rank that
     computes it and zero on the others (so a sum over the pipeline ranks is the single-process value)."""
 
     def __init__(self, model: LoopedLM, stage: int, pp: int, micro_batches: Sequence[StageMicroBatch],
                  scale: Union[float, Sequence[float]] = 1.0, loss_fn: Optional[Callable] = None,
-                 autocast: Callable[[], ContextManager] = contextlib.nullcontext, split: str = "even"):
+                 autocast: Callable[[], ContextManager] = contextlib.nullcontext, split: str = "even",
+                 message_dtype: Optional[torch.dtype] = None):
         if not 0 <= stage < pp:
             raise ValueError(f"stage must be in 0..{pp - 1} for pp={pp}, got {stage}")
         self.model, self.stage, self.pp = model, stage, pp
@@ -175,6 +178,7 @@ class LoopedStageProgram:
         self.loss_fn = loss_fn or _cross_entropy
         self.autocast = autocast
         self.dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        self.message = message_dtype or self.dtype
         self.plans = [ragged_plan(model, mb) for mb in self.batches]
         self._h0: dict[int, torch.Tensor] = {}  # rank 0: the permuted h_0 of micro-batches still looping
         self._prev: dict[int, torch.Tensor] = {}  # last rank: the state leaving each micro-batch's second-last lap
@@ -223,6 +227,7 @@ class LoopedStageProgram:
     def lap_segment(self, mb: int, lap: int, h: torch.Tensor, e: Optional[torch.Tensor]) -> torch.Tensor:
         """This stage's core blocks on lap `lap`'s active rows (rank 0: after the injection)."""
         rows = self.plans[mb].prefix[lap]
+        h = h.to(self.dtype)  # a received state arrives in the message dtype
         if e is not None and self.model.injection is not None:
             h0 = self._h0[mb] if lap < self.plans[mb].laps - 1 else self._h0.pop(mb)
             if h.shape[0] < rows:  # rows that start looping in this lap enter with their h_0
@@ -233,7 +238,8 @@ class LoopedStageProgram:
             out = maybe_checkpoint(whole, self._segment, h, None if e is None else e[:rows], ids).to(self.dtype)
         if self.stage == self.pp - 1 and lap == self.plans[mb].laps - 2:
             self._prev[mb] = out.detach()
-        return out
+        travels = self.pp > 1 and (self.stage < self.pp - 1 or lap < self.plans[mb].laps - 1)
+        return out.to(self.message) if travels else out  # the last lap's state stays for the loss
 
     def _segment(self, h: torch.Tensor, term: Optional[torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
         model = self.model
@@ -292,8 +298,8 @@ class LoopedStageProgram:
         return (self.plans[mb].prefix[lap], seq // self.model.sequence_parts, self.model.cfg.d_model)
 
     def message_dtype(self) -> torch.dtype:
-        """The dtype of every message (the state and its gradient): the model's parameter dtype."""
-        return self.dtype
+        """The dtype of every message (the state and its gradient): message_dtype as given, else the parameters'."""
+        return self.message
 
 
 def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,11 @@ class ShardData:
         batches, self._ahead = self._ahead or iter(self.loader), None
         return batches
 
+    def prepare_ahead(self, prepare) -> None:
+        """Run prepare(step, batch) on each training batch in the loader's prefetch thread (None: nothing); set
+        before the first batch is read."""
+        self.loader.prepare = prepare
+
     def read_first_batch(self) -> None:
         """Read the next training batch now, so that a data error (an unreadable shard) surfaces before the run
         writes any file; train_batches yields it first."""

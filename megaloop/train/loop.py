@@ -22,7 +22,7 @@ from megaloop.train.peak import PeakGuard, cpu_peak
 from megaloop.train.precision import PrecisionChoice, apply_optimizer_precision, param_dtype, resolve_precision
 from megaloop.train.metrics import MetricsWriter
 from megaloop.train.progress import Progress
-from megaloop.train.step import StepTimer, reduce_step, train_step
+from megaloop.train.step import StepTimer, reduce_step, schedule_ahead, train_step
 from megaloop.train.stopping import StopRequests, deadline_from
 
 
@@ -86,6 +86,7 @@ def train(cfg: Config, runtime=None) -> RunSummary:
     out_dir = Path(cfg.train.out_dir)
     data = open_data(cfg, runtime.dp_rank, runtime.dp_size, device)  # fails early on bad data, before the model
     model, optimizer = build_model_and_optimizer(cfg, runtime, device, choice.native_bf16)
+    data.prepare_ahead(schedule_ahead(cfg, runtime, model))  # a ring schedule made in the prefetch thread
     ckpt = RunCheckpoints(cfg, runtime)
     idle = False
     try:

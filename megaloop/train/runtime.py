@@ -123,8 +123,21 @@ def make_runtime(cfg, device: torch.device):
 
         split = p.pp_split
         stages = StageFunctions(parameter_names=functools.partial(stage_parameter_names, split=split),
-                                program=functools.partial(LoopedStageProgram, split=split))
+                                program=functools.partial(LoopedStageProgram, split=split,
+                                                          message_dtype=message_dtype(cfg)))
         return PipelineRuntime(layout, tensor_parallel_plan(m.mlp), functions, stages, zero_stage=p.zero_stage,
                                grad_reduce_dtype=p.grad_reduce_dtype, in_flight=p.pp_in_flight)
     return ParallelRuntime(layout, tensor_parallel_plan(m.mlp), functions, zero_stage=p.zero_stage,
                            grad_reduce_dtype=p.grad_reduce_dtype)
+
+
+MESSAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
+
+
+def message_dtype(cfg) -> torch.dtype | None:
+    """The dtype of the ring pipeline's messages: parallel.pp_message_dtype, else the compute dtype of
+    train.precision (None where that is not concrete yet: the stage program then uses its parameters' dtype)."""
+    if cfg.parallel.pp_message_dtype is not None:
+        return MESSAGE_DTYPES[cfg.parallel.pp_message_dtype]
+    return COMPUTE_DTYPES.get(cfg.train.precision)

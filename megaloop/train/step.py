@@ -130,6 +130,29 @@ def train_step(model, optimizer, batch: dict, depth_sample, step: int, seed: int
     return stats
 
 
+def schedule_ahead(cfg, runtime, model):
+    """prepare(step, batch) for the loader's prefetch thread where the runtime schedules its micro-batches (a
+    pipeline runtime's plan_ahead): step `step`'s micro-batches planned as train_step will plan them (same depths,
+    same cut) and handed over on the host, so the ring schedule is made while the device runs earlier steps. None
+    for other runtimes."""
+    plan_ahead = getattr(runtime, "plan_ahead", None)
+    if plan_ahead is None:
+        return None
+    from megaloop.depth import make_sampler
+
+    m = cfg.model  # a sampler of the prefetch thread's own (depths are a pure function of seed, step and index)
+    sampler = make_sampler(m.depth_sampler, m.mu_rec, m.backprop_depth, seed=cfg.train.seed)
+
+    def prepare(step: int, batch: dict) -> None:
+        plan = plan_step(sampler.sample(step, batch["sample_index"]), cfg.data.micro_batch_size,
+                         cfg.train.bucket_depths)
+        host = torch.device("cpu")
+        plan_ahead(model, _stage_micro_batches(batch["tokens"], batch["sample_index"], plan, host,
+                                               (cfg.train.seed, step)))
+
+    return prepare
+
+
 def _stage_micro_batches(tokens, sample_index, plan: list[MicroBatch], device, seed_step: tuple) -> list:
     """The micro-batches' rows as the model takes them (StageMicroBatch): inputs and next-token labels on `device`,
     host depths, and h_0's noise key (seed, step, the rows' global sample indices). The batch's tokens (pinned by

@@ -171,6 +171,9 @@ class RingExecutor:
         if producer not in self.values:
             raise ExecutionError(f"rank {self.rank}: {label(action)} before {label(producer)} ran on this rank")
         tensor = self.values.pop(producer).contiguous()
+        if tensor.dtype != self.dtype:  # the receiver's buffer has self.dtype: the bytes would be misread
+            raise ExecutionError(f"rank {self.rank}: {label(action)} sends {tensor.dtype}, but messages are "
+                                 f"{self.dtype}: the program's message_dtype and its outputs disagree")
         peer = self.ranks[action.dst]
         tensors = ([header(action.message, tensor.shape)] if self.check_messages else []) + [tensor]
         kept += tensors

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 
 import numpy as np
 import pytest
@@ -187,3 +188,26 @@ def test_bad_selection_is_refused(small_shards):
     loader = ShardLoader(small_shards, GLOBAL_BATCH, seed=1, prefetch=0, select=lambda step, idx: [0, 0])
     with pytest.raises(DataPrepError, match="distinct positions"):
         loader.batch(0)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_pin_memory_pins_the_tokens_where_the_batch_is_made(small_shards, prefetch, monkeypatch):
+    """pin_memory=True pins each yielded batch's tokens, in the prefetch thread when there is one (pinning needs
+    CUDA: Tensor.pin_memory is replaced by a marked copy that records the thread); the stream is unchanged."""
+    threads = []
+
+    def pin_memory(self, device=None):
+        threads.append(threading.current_thread().name)
+        pinned = self.clone()
+        pinned.pinned_for_test = True
+        return pinned
+
+    plain = list(itertools.islice(iter(ShardLoader(small_shards, 8, prefetch=prefetch)), 3))
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    loader = ShardLoader(small_shards, 8, prefetch=prefetch, pin_memory=True)
+    pinned = list(itertools.islice(iter(loader), 3))
+    loader.close()
+    assert all(getattr(b["tokens"], "pinned_for_test", False) for b in pinned)
+    assert all(torch.equal(a["tokens"], b["tokens"]) for a, b in zip(plain, pinned))
+    maker = "data_prep-prefetch" if prefetch else threading.main_thread().name
+    assert len(threads) >= 3 and set(threads) == {maker}

@@ -23,6 +23,7 @@ wrapping torch.distributed's functions and attributed by the caller: exactly one
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import traceback
@@ -35,6 +36,7 @@ import megaloop.model.transfer as transfer
 import megaloop.train.loop as loop
 from megaloop.config import load_config
 from megaloop.train.loop import train
+from megaloop.train.runtime import make_runtime
 from tests.pipeline.spawn import spawn
 from tests.train.conftest import TINY, fast_overrides
 
@@ -53,16 +55,23 @@ STEPS = 3
 
 
 class SyncCounter(TorchDispatchMode):
-    """Counts ops that wait for the device's result on the host."""
+    """Counts ops that wait for the device's result on the host, and the dtype casts (aten._to_copy) of the
+    parameters in `weights` (data_ptr -> name) per step (`casts`: one Counter of names per step; a cast of a view
+    of a parameter is not counted: autocast casts parameters, and caches only those)."""
 
     def __init__(self):
         super().__init__()
         self.seen: list[str] = []
+        self.weights: dict[int, str] = {}
+        self.casts: list[collections.Counter] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if name in SYNC_OPS:
             self.seen.append(name)
+        # autocast casts the parameter itself (a view's cast, e.g. of W.t(), is the model's own, not autocast's)
+        if name == "_to_copy" and not args[0]._is_view() and args[0].data_ptr() in self.weights and self.casts:
+            self.casts[-1][self.weights[args[0].data_ptr()]] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -125,11 +134,11 @@ def emulated_cuda_copies(copies: CopyCounter):
         transfer.pins = real_pins
 
 
-def overrides(shards, out_dir, dp: int, pp: int = 1) -> list[str]:
+def overrides(shards, out_dir, dp: int, pp: int = 1, precision: str = "fp64") -> list[str]:
     """Per-sequence depths, micro-batches of 2 out of 8 rows: several micro-batches of different depths."""
     return fast_overrides(shards, out_dir, steps=STEPS) + [
         "data.micro_batch_size=2", "data.val_batches=0", "train.val_every=1000", f"parallel.dp={dp}",
-        f"parallel.pp={pp}", "train.precision=fp64"]
+        f"parallel.pp={pp}", f"train.precision={precision}"]
 
 
 def _origin(name: str, stack) -> str:
@@ -154,10 +163,12 @@ def traced_train(cfg, runtime=None) -> dict:
         with counter, copies:
             yield
 
-    def train_step(*args, **kwargs):
+    def train_step(model, *args, **kwargs):
         active["on"] = True
         calls.append("step")
-        return real_step(*args, loop_guard=guard, **kwargs)
+        counter.weights = {p.data_ptr(): name for name, p in model.named_parameters() if p.is_floating_point()}
+        counter.casts.append(collections.Counter())
+        return real_step(model, *args, loop_guard=guard, **kwargs)
 
     def reduce_step(*args, **kwargs):
         try:
@@ -201,7 +212,7 @@ def traced_train(cfg, runtime=None) -> dict:
             current["other"].append(c)
         else:
             current[c] += 1
-    return {"syncs": list(counter.seen), "blocking_copies": copies.blocking, "per_step": per_step, "steps": calls.count("step"), "losses": summary.losses}
+    return {"syncs": list(counter.seen), "weight_casts": counter.casts, "blocking_copies": copies.blocking, "per_step": per_step, "steps": calls.count("step"), "losses": summary.losses}
 
 
 def test_no_host_sync_in_the_micro_batch_loop_single_process(tiny_shards, tmp_path):
@@ -241,7 +252,14 @@ def test_copy_counter_sees_blocking_copies():
 
 
 def _worker(rank: int, world: int, shards: str, out_dir: str, result: str, dp: int, pp: int) -> None:
-    got = traced_train(load_config(TINY, overrides(shards, f"{out_dir}/run", dp, pp)))
+    precision = "bf16" if pp > 1 else "fp64"  # pp2 also counts autocast's weight casts
+    cfg = load_config(TINY, overrides(shards, f"{out_dir}/run", dp, pp, precision))
+    runtime = make_runtime(cfg, torch.device("cpu"))
+    try:
+        got = traced_train(cfg, runtime)
+        got["schedules_made_in_step"] = getattr(runtime, "schedules_made_in_step", None)
+    finally:
+        runtime.close()
     torch.save(got, f"{result}.{rank}")
 
 
@@ -249,7 +267,9 @@ def _worker(rank: int, world: int, shards: str, out_dir: str, result: str, dp: i
 @pytest.mark.parametrize("dp,pp", [(2, 1), (1, 2)], ids=["dp2", "pp2"])
 def test_no_host_sync_and_one_stats_reduction_per_step(tiny_shards, tmp_path, dp, pp):
     """dp2: no sync or blocking copy, one statistics reduction per step and the rest from gradient/optimizer calls;
-    pp2: no sync or blocking copy in the ring stages (their point-to-point messages are the ring's own traffic)."""
+    pp2 (bf16 autocast): no sync or blocking copy in the ring stages (their point-to-point messages are the ring's
+    own traffic), each weight autocast casts is cast once per step, not once per lap and micro-batch, and every
+    step's ring schedule was made ahead of the step (in the loader's prefetch thread)."""
     spawn(_worker, 2, str(tiny_shards), str(tmp_path), str(tmp_path / "result"), dp, pp)
     for rank in range(2):
         got = torch.load(tmp_path / f"result.{rank}")
@@ -263,3 +283,52 @@ def test_no_host_sync_and_one_stats_reduction_per_step(tiny_shards, tmp_path, dp
             assert step["stats"] == 1 and step["gradient"] >= 1
             if pp == 1:
                 assert step["other"] == [], step["other"][0]
+        if pp > 1:
+            print(f"pp2 rank {rank}: weight casts per step: "
+                  + ", ".join(f"{len(c)} weights, at most {max(c.values())} each" for c in got["weight_casts"]))
+            assert all(c and max(c.values()) == 1 for c in got["weight_casts"]), got["weight_casts"]
+            print(f"pp2 rank {rank}: ring schedules generated inside the steps: {got['schedules_made_in_step']}")
+            assert got["schedules_made_in_step"] == 0  # each made ahead, in the loader's prefetch thread
+
+
+def test_the_loader_pins_for_a_cuda_device_only():
+    from megaloop.train.data import pin_batches
+
+    assert pin_batches(torch.device("cuda")) and pin_batches("cuda:1")
+    assert not pin_batches(torch.device("cpu")) and not pin_batches(None)
+
+
+def test_cuda_step_times_are_read_one_step_later(monkeypatch):
+    """On a GPU a step's times come back at the next step, read from events that have completed (the event
+    class stands in for torch.cuda.Event: it counts synchronisations and which events were read)."""
+    from megaloop.train.step import StepTimer
+
+    clock, read = iter(range(100)), []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.t, self.synced = None, False
+
+        def record(self):
+            self.t = next(clock)
+
+        def synchronize(self):
+            self.synced = True
+
+        def elapsed_time(self, end):
+            read.append(end.synced)
+            return 1e3 * (end.t - self.t)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    timer = StepTimer(torch.device("cuda"))
+    firsts = []
+    for _ in range(3):
+        start = timer.mark()
+        timer.add("forward", start, timer.mark())
+        firsts.append(start.t)
+        times = timer.totals()
+        if len(firsts) == 1:
+            assert all(v != v for v in times.values())  # NaN: nothing measured before the first step
+        else:
+            assert times["forward"] == 1.0 and read[-1]
+    assert StepTimer(torch.device("cpu")).totals() == {"forward": 0, "backward": 0, "optimizer": 0}
