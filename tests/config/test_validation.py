@@ -32,6 +32,7 @@ def no_model_may_be_built(monkeypatch):
     ("checkpoint.keep=0", "checkpoint.keep", "must be >= 1"),
     ("train.stop_at_step=0", "train.stop_at_step", ">= 1 or null"),
     ("train.extend=restart", "train.extend", "continue, rewarm"),
+    ("parallel.pp_message_dtype=fp16", "parallel.pp_message_dtype", "fp32, bf16"),
 ])
 def test_invalid_values_name_field_and_allowed(override, field, allowed):
     with pytest.raises(ValueError) as info:
@@ -113,3 +114,14 @@ def test_gpt_and_rdm_combinations_checked():
 def test_valid_config_loads_with_overrides():
     cfg = load_config(TINY, ["train.steps=7", "model.mu_bwd=null", "optim.betas=[0.9, 0.99]"])
     assert cfg.train.steps == 7 and cfg.model.backprop_depth == 2 and cfg.optim.betas == (0.9, 0.99)
+
+
+def test_pp_message_dtype_defaults_to_the_compute_dtype():
+    import torch
+
+    from megaloop.train.runtime import message_dtype
+
+    dtypes = {p: message_dtype(load_config(TINY, [f"train.precision={p}"])) for p in ("bf16", "fp32", "fp64")}
+    assert dtypes == {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
+    chosen = load_config(TINY, ["train.precision=bf16", "parallel.pp_message_dtype=fp32"])
+    assert message_dtype(chosen) == torch.float32

@@ -126,3 +126,24 @@ def test_stages_equal_single_process(pp, tmp_path):
         owners = expected_owners(build(case)[0], pp)
         for rank, part in enumerate(parts):
             assert set(part[case][1]) == owners[rank], (rank, set(part[case][1]) ^ owners[rank])
+
+
+def test_states_travel_in_the_message_dtype():
+    """message_dtype bf16 on a float64 model: a state leaving for another rank is bf16 (message_dtype() says so),
+    the last lap's state, which stays on the last rank for the loss, keeps the model's dtype; a received bf16
+    state is computed with in float64 and its gradient goes back in bf16 (the receive buffer's dtype)."""
+    model, batches = build("parcae")
+    first, last = (LoopedStageProgram(model, s, 2, batches, message_dtype=torch.bfloat16) for s in (0, 1))
+    e, h0 = first.embed(0)
+    out = first.lap_segment(0, 0, h0, e)
+    assert first.message_dtype() == last.message_dtype() == out.dtype == torch.bfloat16
+    laps = last.plans[0].laps
+    received = out.detach().requires_grad_()
+    onward = last.lap_segment(0, 0, received, None)  # lap 0 of 7 goes back to rank 0
+    final = last.lap_segment(0, laps - 1, torch.zeros(last.message_shape(0, laps - 1), dtype=torch.bfloat16), None)
+    assert onward.dtype == torch.bfloat16 and final.dtype == torch.float64
+    onward.float().sum().backward()
+    assert received.grad.dtype == torch.bfloat16 and received.grad.abs().sum() > 0
+    plain = LoopedStageProgram(model, 0, 2, batches)
+    assert plain.message_dtype() == torch.float64 and plain.lap_segment(0, 0, *plain.embed(0)[::-1]).dtype == \
+        torch.float64
