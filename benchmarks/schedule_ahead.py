@@ -10,8 +10,8 @@ starts (the device idles meanwhile). After: a thread standing in for the loader'
 with a sleep of --device-ms (which releases the GIL, as waiting on a GPU does) and then looks its schedule up.
 Printed: the median and largest time the loop's thread spends on the schedule per step, the step's wall time
 (device + schedule before; device + any wait for the prefetch thread after: a prefetch thread slower than the device
-shows here), and how many schedules the loop's thread still had to make itself. The runtime is PipelineRuntime without its process groups (only its schedule cache is
-used).
+shows here), and how many schedules the loop's thread still had to make itself. The runtime is PipelineRuntime
+without its process groups (only its schedule cache is used).
 """
 from __future__ import annotations
 

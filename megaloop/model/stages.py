@@ -156,9 +156,10 @@ class LoopedStageProgram:
     passes its vocabulary-parallel one); every computation runs under `autocast()`; `split`: the core split
     (stage_ranges), as stage_parameter_names was given it; `message_dtype`: the dtype of the states that travel to
     another rank and so of their gradients (default: the parameters' dtype; a received state is cast to that on
-    arrival, a state leaving for another rank to message_dtype, one staying on this rank is not cast). After a run, `losses[mb]` holds
-    the last rank's unscaled losses and `telemetry(mb)` what LoopedLM.forward reports, each value on the rank that
-    computes it and zero on the others (so a sum over the pipeline ranks is the single-process value)."""
+    arrival, a state leaving for another rank to message_dtype, one staying on this rank is not cast). After a
+    run, `losses[mb]` holds the last rank's unscaled losses and `telemetry(mb)` what LoopedLM.forward reports,
+    each value on the rank that computes it and zero on the others (so a sum over the pipeline ranks is the
+    single-process value)."""
 
     def __init__(self, model: LoopedLM, stage: int, pp: int, micro_batches: Sequence[StageMicroBatch],
                  scale: Union[float, Sequence[float]] = 1.0, loss_fn: Optional[Callable] = None,

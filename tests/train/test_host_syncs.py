@@ -212,7 +212,8 @@ def traced_train(cfg, runtime=None) -> dict:
             current["other"].append(c)
         else:
             current[c] += 1
-    return {"syncs": list(counter.seen), "weight_casts": counter.casts, "blocking_copies": copies.blocking, "per_step": per_step, "steps": calls.count("step"), "losses": summary.losses}
+    return {"syncs": list(counter.seen), "weight_casts": counter.casts, "blocking_copies": copies.blocking,
+            "per_step": per_step, "steps": calls.count("step"), "losses": summary.losses}
 
 
 def test_no_host_sync_in_the_micro_batch_loop_single_process(tiny_shards, tmp_path):
