@@ -172,9 +172,10 @@ def main() -> None:
     print(f"cpu peak {peak.tflops * 1e3:.1f} GFLOP/s fp32, one thread ({peak.source}); efficiency {a.mfu}")
     print(f"gloo on localhost: {bandwidth / 1e9:.2f} GB/s, {latency * 1e6:.0f} us per ring step")
     print("cached: the prediction at the cached peak; now: at the peak the ranks measured beside their steps "
-          "(the same load as the steps), against the wall time; cpu: the slowest rank's CPU time")
+          "(under the same load as the steps); wall: the measured step; cpu: the slowest rank's CPU time in it "
+          "(on a shared machine the fairest figure for one process; it leaves out waits: comm, bubbles)")
     print(f"{'layout':<8}{'comm s':>8}{'optim s':>8}{'cached s':>9}{'peak now':>9}{'now s':>8}{'wall s':>8}"
-          f"{'cpu s':>8}{'cached/wall':>12}{'now/wall':>9}{'now/cpu':>8}")
+          f"{'cpu s':>8}{'cached/wall':>12}{'now/wall':>9}{'cached/cpu':>11}")
     for name in a.only:
         world, overrides = LAYOUTS[name]
         cached = predict(world, overrides, a.mfu, bandwidth, latency)
@@ -182,7 +183,7 @@ def main() -> None:
         now = predict(world, overrides, a.mfu, bandwidth, latency, peak_now)
         print(f"{name:<8}{now.exposed_comm_s:>8.3f}{now.optimizer_s:>8.3f}{cached.step_time_s:>9.3f}"
               f"{peak_now * 1e3:>9.1f}{now.step_time_s:>8.3f}{wall:>8.3f}{cpu:>8.3f}"
-              f"{cached.step_time_s / wall:>12.2f}{now.step_time_s / wall:>9.2f}{now.step_time_s / cpu:>8.2f}",
+              f"{cached.step_time_s / wall:>12.2f}{now.step_time_s / wall:>9.2f}{cached.step_time_s / cpu:>11.2f}",
               flush=True)
 
 
