@@ -39,13 +39,13 @@ def run_plan(args) -> int:
     world = args.nodes * args.gpus_per_node
     overrides = list(args.overrides) + ([f"parallel.pp={args.pp}"] if args.pp is not None else [])
     overrides += [f"parallel.pp_in_flight={args.in_flight}"] if args.in_flight is not None else []
-    from megaloop.plan.time_cli import job_gpu, run_search, time_section
+    from megaloop.plan.time_cli import job_gpu, resolved_precision, run_search, time_section
 
     if args.search:
         return run_search(args, overrides, world)
-    cfg = load_config(args.config, overrides, world_size=world)
+    cfg = resolved_precision(load_config(args.config, overrides, world_size=world), args.gpu)
     plan = make_plan(cfg, job_gpu(args.gpu), world, cfg.parallel.pp_in_flight)
-    section = time_section(args, cfg, world)
+    section = time_section(args, plan)
     if args.json:
         print(json.dumps(plan_dict(plan, world, args.nodes) | section.as_json()))
     else:

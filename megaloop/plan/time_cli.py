@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from megaloop.config import Config, ConfigError, load_config
 from megaloop.plan.comm import Cluster, DpComm, Link
 from megaloop.plan.gpus import GPUS, Gpu
-from megaloop.plan.search import Estimate, Planner, search
-from megaloop.plan.time_model import DEFAULT_EFFICIENCY, device_for
+from megaloop.plan.planner import Plan
+from megaloop.plan.search import Estimate, Planner, peak_bytes, search
+from megaloop.plan.time_model import DEFAULT_EFFICIENCY, device_for, time_plan
 from megaloop.plan.time_report import assumptions, ranking_lines, time_lines
 
 DEFAULT_TOP = 20
@@ -62,7 +63,7 @@ def job_gpu(name: str) -> Gpu:
     return GPUS[name]
 
 
-def _precision(cfg: Config, gpu: str) -> Config:
+def resolved_precision(cfg: Config, gpu: str) -> Config:
     """train.precision=auto as it resolves on the device (a GPU: bf16)."""
     if cfg.train.precision != "auto":
         return cfg
@@ -100,14 +101,15 @@ class TimeSection:
         return "\n" + "\n".join(time_lines(self.est, self.tokens, p.device, p.cluster, p.comm))
 
 
-def time_section(args, cfg: Config, world: int) -> TimeSection:
-    cfg = _precision(cfg, args.gpu)
-    planner = planner_for(args, cfg, world)
-    return TimeSection(planner.estimate(cfg), planner, args.tokens)
+def time_section(args, plan: Plan) -> TimeSection:
+    """The time plan of the memory plan `plan`."""
+    planner = planner_for(args, plan.cfg, plan.layout.world)
+    est = Estimate(plan, time_plan(plan, planner.device, planner.cluster, planner.comm), peak_bytes(plan))
+    return TimeSection(est, planner, args.tokens)
 
 
 def run_search(args, overrides: list[str], world: int) -> int:
-    base = _precision(load_config(args.config, overrides, validate=False), args.gpu)
+    base = resolved_precision(load_config(args.config, overrides, validate=False), args.gpu)
     planner = planner_for(args, base, world)
     overrides = list(overrides) + [f"train.precision={base.train.precision}"]
     found = search(args.config, overrides, planner, args.gpus_per_node)
