@@ -8,6 +8,10 @@ runtime, model and optimizer are built, --warmup steps run, then --steps timed s
 slowest rank's time kept); the median is the measured step time. Depths are fixed at mu_rec
 (model.depth_sampler=fixed), as the planner's rank-0 micro-batches then stand for every rank.
 
+With layout 1 measured, a second table: the efficiency that makes layout 1's prediction equal its CPU time, and
+every layout predicted at that efficiency (the planner's efficiency is a stated input; this states it from one run
+and predicts the parallel layouts).
+
     python benchmarks/plan_time_accuracy.py [--only 1 dp2 tp2 pp2] [--steps 3] [--mfu 1.0]
 
 The machine should be idle: a shared CPU makes the measured times long and noisy (the ratio is what matters).
@@ -168,23 +172,40 @@ def main() -> None:
     from megaloop.train.peak import cpu_peak
 
     peak = cpu_peak("fp32")
+    cpu_peak("bf16")  # Muon's Polar Express runs in bf16 where the CPU computes it natively
     bandwidth, latency = probe_gloo(a.probe_mib)
     print(f"cpu peak {peak.tflops * 1e3:.1f} GFLOP/s fp32, one thread ({peak.source}); efficiency {a.mfu}")
     print(f"gloo on localhost: {bandwidth / 1e9:.2f} GB/s, {latency * 1e6:.0f} us per ring step")
-    print("cached: the prediction at the cached peak; now: at the peak the ranks measured beside their steps "
+    print("cached: the prediction at the cached peaks; now: at the peak the ranks measured beside their steps "
           "(under the same load as the steps); wall: the measured step; cpu: the slowest rank's CPU time in it "
           "(on a shared machine the fairest figure for one process; it leaves out waits: comm, bubbles)")
     print(f"{'layout':<8}{'comm s':>8}{'optim s':>8}{'cached s':>9}{'peak now':>9}{'now s':>8}{'wall s':>8}"
           f"{'cpu s':>8}{'cached/wall':>12}{'now/wall':>9}{'cached/cpu':>11}")
+    measured = {}
     for name in a.only:
         world, overrides = LAYOUTS[name]
         cached = predict(world, overrides, a.mfu, bandwidth, latency)
-        wall, cpu, peak_now = measure(world, overrides, a.warmup, a.steps)
+        wall, cpu, peak_now = measured[name] = measure(world, overrides, a.warmup, a.steps)
         now = predict(world, overrides, a.mfu, bandwidth, latency, peak_now)
         print(f"{name:<8}{now.exposed_comm_s:>8.3f}{now.optimizer_s:>8.3f}{cached.step_time_s:>9.3f}"
               f"{peak_now * 1e3:>9.1f}{now.step_time_s:>8.3f}{wall:>8.3f}{cpu:>8.3f}"
               f"{cached.step_time_s / wall:>12.2f}{now.step_time_s / wall:>9.2f}{cached.step_time_s / cpu:>11.2f}",
               flush=True)
+    if "1" in measured:
+        calibrated(measured, a.mfu, bandwidth, latency)
+
+
+def calibrated(measured: dict, mfu: float, bandwidth: float, latency: float) -> None:
+    """The efficiency that makes the one-process prediction equal its CPU time, then every layout at it."""
+    one = predict(1, [], mfu, bandwidth, latency)
+    eff = mfu * (one.compute_s + one.optimizer_s) / measured["1"][1]
+    print(f"efficiency from layout 1's CPU time: {eff:.3f} of the cached peaks")
+    print(f"{'layout':<8}{'predicted s':>12}{'wall s':>8}{'cpu s':>8}{'pred/wall':>10}{'pred/cpu':>9}")
+    for name, (wall, cpu, _) in measured.items():
+        world, overrides = LAYOUTS[name]
+        t = predict(world, overrides, min(eff, 1.0), bandwidth, latency)
+        print(f"{name:<8}{t.step_time_s:>12.3f}{wall:>8.3f}{cpu:>8.3f}{t.step_time_s / wall:>10.2f}"
+              f"{t.step_time_s / cpu:>9.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
               runs the kept laps' forward once more. Split over tp, run at `Device.rate`: the dense peak of the
               compute dtype times the stated efficiency (an MFU-like factor).
   optimizer   Polar Express on the Muon matrices of the most loaded owner (ns_steps x (4 m^2 n + 2 m^3) per m x n
-              matrix, m <= n) at the same rate; AdamW's elementwise work is not counted.
+              matrix, m <= n) at the peak of its dtype (bf16 where native, as megaloop.train.precision.orth_dtype)
+              times the same efficiency; AdamW's elementwise work is not counted.
   tp          per block run (forward, backward, recomputation): two all-gathers and two reduce-scatters of the
               micro-batch's [rows, s, d] stream under sequence parallelism, else two all-reduces, scaled by the
               lap's active fraction; the embedding and head add two (SP) or one of each direction, the
@@ -51,6 +52,7 @@ class Device:
     name: str
     peak_tflops: float
     efficiency: float = DEFAULT_EFFICIENCY
+    optimizer_tflops: float | None = None  # the peak of Muon's Polar Express dtype (bf16 where native); None: peak
 
     def __post_init__(self):
         if not self.peak_tflops > 0:
@@ -62,6 +64,11 @@ class Device:
     def rate(self) -> float:
         """FLOP/s the model's work runs at."""
         return self.peak_tflops * 1e12 * self.efficiency
+
+    @property
+    def optimizer_rate(self) -> float:
+        """FLOP/s of the Polar Express iteration (its own dtype's peak at the same efficiency)."""
+        return (self.optimizer_tflops or self.peak_tflops) * 1e12 * self.efficiency
 
 
 @dataclass(frozen=True)
@@ -207,7 +214,7 @@ def time_plan(plan: Plan, device: Device, cluster: Cluster, comm: DpComm) -> Tim
     dp = _dp(plan, sum(p.local_numel for p in params), cluster, comm)
     exposed = dp.exposed(work[-1].backward, work[0].forward, comm.overlap_param_gather)
     tokens = plan.cfg.data.global_batch_size * plan.cfg.model.seq_len
-    return TimePlan(compute, optimizer_seconds(params, plan, device.rate), tp, 0.0, dp, exposed, tokens)
+    return TimePlan(compute, optimizer_seconds(params, plan, device.optimizer_rate), tp, 0.0, dp, exposed, tokens)
 
 
 def _pipeline_time(plan: Plan, device: Device, cluster: Cluster, comm: DpComm) -> TimePlan:
@@ -246,7 +253,7 @@ def _pipeline_time(plan: Plan, device: Device, cluster: Cluster, comm: DpComm) -
     n_elements = max(sum(p.local_numel for p in st) for st in stages)
     dp = _dp(plan, n_elements, cluster, comm)
     exposed = dp.exposed(0.0, 0.0, comm.overlap_param_gather)
-    optimizer = max(optimizer_seconds(st, plan, device.rate) for st in stages)
+    optimizer = max(optimizer_seconds(st, plan, device.optimizer_rate) for st in stages)
     tokens = cfg.data.global_batch_size * m.seq_len
     c0, c1, c2 = (s.makespan for s in spans)
     return TimePlan(c0, optimizer, c1 - c0, c2 - c1, dp, exposed, tokens, spans[2].idle_fraction)
@@ -267,12 +274,19 @@ def device_for(name: str, precision: str, efficiency: float = DEFAULT_EFFICIENCY
     matmul peak as `python -m megaloop peak` caches it (measured now when missing); `peak_tflops` overrides."""
     from megaloop.train.peak import PEAK_TFLOPS, cpu_peak
 
-    if peak_tflops is not None:
-        return Device(name, peak_tflops, efficiency)
     if name == "cpu":
-        return Device("CPU", cpu_peak(precision).tflops, efficiency)
-    key = (GPU_PEAK_NAMES.get(name, name), precision)
-    if key not in PEAK_TFLOPS:
+        import torch
+
+        from megaloop.train.hardware import bf16_support
+
+        orth = "bf16" if precision != "fp64" and bf16_support(torch.device("cpu")).native else precision
+        peak = peak_tflops if peak_tflops is not None else cpu_peak(precision).tflops
+        return Device("CPU", peak, efficiency, cpu_peak(orth).tflops if orth != precision else None)
+    gpu = GPU_PEAK_NAMES.get(name, name)
+    orth = PEAK_TFLOPS.get((gpu, "bf16")) if precision != "fp64" else None
+    if peak_tflops is not None:
+        return Device(gpu, peak_tflops, efficiency, orth)
+    if (gpu, precision) not in PEAK_TFLOPS:
         raise ConfigError("--gpu", name, f"no dense {precision} peak known for it: pass --peak-tflops, or plan "
                           "with train.precision=bf16")
-    return Device(key[0], PEAK_TFLOPS[key], efficiency)
+    return Device(gpu, PEAK_TFLOPS[(gpu, precision)], efficiency, orth)
