@@ -180,7 +180,7 @@ def main() -> None:
           "(under the same load as the steps); wall: the measured step; cpu: the slowest rank's CPU time in it "
           "(on a shared machine the fairest figure for one process; it leaves out waits: comm, bubbles)")
     print(f"{'layout':<8}{'comm s':>8}{'optim s':>8}{'cached s':>9}{'peak now':>9}{'now s':>8}{'wall s':>8}"
-          f"{'cpu s':>8}{'cached/wall':>12}{'now/wall':>9}{'cached/cpu':>11}")
+          f"{'cpu s':>8}{'cached/wall':>12}{'now/wall':>9}{'busy/cpu':>9}")
     measured = {}
     for name in a.only:
         world, overrides = LAYOUTS[name]
@@ -189,7 +189,7 @@ def main() -> None:
         now = predict(world, overrides, a.mfu, bandwidth, latency, peak_now)
         print(f"{name:<8}{now.exposed_comm_s:>8.3f}{now.optimizer_s:>8.3f}{cached.step_time_s:>9.3f}"
               f"{peak_now * 1e3:>9.1f}{now.step_time_s:>8.3f}{wall:>8.3f}{cpu:>8.3f}"
-              f"{cached.step_time_s / wall:>12.2f}{now.step_time_s / wall:>9.2f}{cached.step_time_s / cpu:>11.2f}",
+              f"{cached.step_time_s / wall:>12.2f}{now.step_time_s / wall:>9.2f}{cached.busy_s / cpu:>9.2f}",
               flush=True)
     if "1" in measured:
         calibrated(measured, a.mfu, bandwidth, latency)
@@ -198,14 +198,16 @@ def main() -> None:
 def calibrated(measured: dict, mfu: float, bandwidth: float, latency: float) -> None:
     """The efficiency that makes the one-process prediction equal its CPU time, then every layout at it."""
     one = predict(1, [], mfu, bandwidth, latency)
-    eff = mfu * (one.compute_s + one.optimizer_s) / measured["1"][1]
+    eff = mfu * one.busy_s / measured["1"][1]
     print(f"efficiency from layout 1's CPU time: {eff:.3f} of the cached peaks")
-    print(f"{'layout':<8}{'predicted s':>12}{'wall s':>8}{'cpu s':>8}{'pred/wall':>10}{'pred/cpu':>9}")
+    print("busy: the predicted compute of the busiest rank alone (no comm, no pipeline bubbles), what its CPU time "
+          "measures")
+    print(f"{'layout':<8}{'predicted s':>12}{'busy s':>8}{'wall s':>8}{'cpu s':>8}{'pred/wall':>10}{'busy/cpu':>9}")
     for name, (wall, cpu, _) in measured.items():
         world, overrides = LAYOUTS[name]
         t = predict(world, overrides, min(eff, 1.0), bandwidth, latency)
-        print(f"{name:<8}{t.step_time_s:>12.3f}{wall:>8.3f}{cpu:>8.3f}{t.step_time_s / wall:>10.2f}"
-              f"{t.step_time_s / cpu:>9.2f}", flush=True)
+        print(f"{name:<8}{t.step_time_s:>12.3f}{t.busy_s:>8.3f}{wall:>8.3f}{cpu:>8.3f}{t.step_time_s / wall:>10.2f}"
+              f"{t.busy_s / cpu:>9.2f}", flush=True)
 
 
 if __name__ == "__main__":

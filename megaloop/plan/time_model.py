@@ -83,6 +83,12 @@ class TimePlan:
     dp_exposed_s: float
     tokens_per_step: int
     pipeline_idle: float = 0.0  # the simulated idle fraction with communication (pp > 1)
+    busiest_s: float | None = None  # pp > 1: the busiest stage's compute alone (no bubbles); None: compute_s
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds the busiest rank computes (model and optimizer), without waits of any kind."""
+        return (self.compute_s if self.busiest_s is None else self.busiest_s) + self.optimizer_s
 
     @property
     def exposed_comm_s(self) -> float:
@@ -256,7 +262,8 @@ def _pipeline_time(plan: Plan, device: Device, cluster: Cluster, comm: DpComm) -
     optimizer = max(optimizer_seconds(st, plan, device.optimizer_rate) for st in stages)
     tokens = cfg.data.global_batch_size * m.seq_len
     c0, c1, c2 = (s.makespan for s in spans)
-    return TimePlan(c0, optimizer, c1 - c0, c2 - c1, dp, exposed, tokens, spans[2].idle_fraction)
+    return TimePlan(c0, optimizer, c1 - c0, c2 - c1, dp, exposed, tokens, spans[2].idle_fraction,
+                    max(spans[0].busy))
 
 
 def _pp_link(cluster: Cluster, lay) -> Link:
