@@ -47,7 +47,7 @@ def run_plan(args) -> int:
     plan = make_plan(cfg, job_gpu(args.gpu), world, cfg.parallel.pp_in_flight)
     section = time_section(args, plan)
     if args.json:
-        print(json.dumps(plan_dict(plan, world, args.nodes) | section.as_json()))
+        print(json.dumps(section.merged(plan_dict(plan, world, args.nodes))))
     else:
         print(plan_text(plan, world, args.nodes, args.config) + section.text())
     return 0

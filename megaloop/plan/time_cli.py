@@ -91,10 +91,12 @@ class TimeSection:
     planner: Planner
     tokens: float | None
 
-    def as_json(self) -> dict:
+    def merged(self, memory: dict) -> dict:
+        """The memory plan's dict with the time keys; its "layout" gains micro_batch, activation_checkpointing and
+        grad_reduce_dtype."""
         out = self.est.as_dict(self.tokens)
-        out.pop("layout")  # the memory plan's "layout" holds tp, pp, dp already; the rest is added to it
-        return out
+        layout = memory.get("layout", {}) | out.pop("layout")
+        return memory | out | {"layout": layout}
 
     def text(self) -> str:
         p = self.planner

@@ -106,7 +106,8 @@ def test_plan_json_has_the_time_keys(capsys):
                  "--tokens", "1e9", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(JSON_KEYS) <= set(out)
-    assert out["layout"]["tp"] == 2 and out["time"]["tp_exposed_s"] > 0
+    assert out["layout"]["tp"] == 2 and out["layout"]["gpus"] == 2 and out["layout"]["micro_batch"] == 8
+    assert out["time"]["tp_exposed_s"] > 0
     assert out["days"] == pytest.approx(1e9 / out["tokens_per_s"] / 86400)
     assert 0 < out["exposed_comm_fraction"] < 1 and out["peak_gib"] > 0
 
