@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from megaloop.config import Config, ConfigError
+from megaloop.config import ConfigError
 from megaloop.plan.comm import Cluster, DpComm, DpTraffic, Link, collective_time, dp_traffic
 from megaloop.plan.layout import LocalParam
 from megaloop.plan.pipeline import _forward_flops, core_ranges, micro_batch_specs, stage_params
