@@ -1,18 +1,19 @@
-"""`python -m megaloop plan CONFIG --gpu h100 --nodes N --gpus-per-node G [--pp P] [--json]`."""
+"""`python -m megaloop plan CONFIG --gpu h100 --nodes N --gpus-per-node G [--pp P] [--tokens T] [--search] [--json]`."""
 from __future__ import annotations
 
 import json
 
 from megaloop.config import ConfigError, load_config
-from megaloop.plan.gpus import GPUS, gpu
+from megaloop.plan.gpus import GPUS
 from megaloop.plan.pipeline import IN_FLIGHT_PER_STAGE
 from megaloop.plan.planner import make_plan
 from megaloop.plan.report import plan_dict, plan_text
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--gpu", default="h100", type=str.lower, choices=sorted(GPUS),  # H100 as well as h100
-                   help="GPU type (memory size, any case); default h100")
+    p.add_argument("--gpu", default="h100", type=str.lower, choices=sorted(GPUS) + ["cpu"],  # H100 as well
+                   help="GPU type (memory size and dense peak, any case); cpu: this machine (its memory, its "
+                   "cached matmul peak); default h100")
     p.add_argument("--nodes", type=int, required=True, metavar="N", help="nodes of the job")
     p.add_argument("--gpus-per-node", type=int, required=True, metavar="G", help="GPUs per node")
     p.add_argument("--pp", type=int, default=None, metavar="P",
@@ -24,6 +25,9 @@ def add_arguments(p) -> None:
                    "open (sets parallel.pp_in_flight; default: the config's, "
                    f"{IN_FLIGHT_PER_STAGE} unless set)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    from megaloop.plan.time_cli import add_time_arguments
+
+    add_time_arguments(p)
 
 
 def run_plan(args) -> int:
@@ -35,10 +39,15 @@ def run_plan(args) -> int:
     world = args.nodes * args.gpus_per_node
     overrides = list(args.overrides) + ([f"parallel.pp={args.pp}"] if args.pp is not None else [])
     overrides += [f"parallel.pp_in_flight={args.in_flight}"] if args.in_flight is not None else []
-    cfg = load_config(args.config, overrides, world_size=world)
-    plan = make_plan(cfg, gpu(args.gpu), world, cfg.parallel.pp_in_flight)
+    from megaloop.plan.time_cli import job_gpu, resolved_precision, run_search, time_section
+
+    if args.search:
+        return run_search(args, overrides, world)
+    cfg = resolved_precision(load_config(args.config, overrides, world_size=world), args.gpu)
+    plan = make_plan(cfg, job_gpu(args.gpu), world, cfg.parallel.pp_in_flight)
+    section = time_section(args, plan)
     if args.json:
-        print(json.dumps(plan_dict(plan, world, args.nodes)))
+        print(json.dumps(section.merged(plan_dict(plan, world, args.nodes))))
     else:
-        print(plan_text(plan, world, args.nodes, args.config))
+        print(plan_text(plan, world, args.nodes, args.config) + section.text())
     return 0

@@ -1,0 +1,49 @@
+"""The time plan as text: one layout's step breakdown, and the ranked layouts of a search."""
+from __future__ import annotations
+
+from megaloop.plan.comm import Cluster, DpComm
+from megaloop.plan.search import Estimate
+from megaloop.plan.time_model import Device
+
+
+def assumptions(device: Device, cluster: Cluster, comm: DpComm) -> list[str]:
+    i, o = cluster.intra, cluster.inter
+    buckets = "fixed 25 MiB" if comm.buckets == "fixed" else "max(40M, 1M x dp) elements"
+    return [
+        f"  device {device.name}: dense peak {device.peak_tflops:.4g} TFLOP/s at efficiency {device.efficiency:g} "
+        f"-> {device.rate / 1e12:.4g} TFLOP/s per GPU",
+        f"  links: intra-node {i.bandwidth / 1e9:g} GB/s, {i.latency * 1e6:g} us per ring step; inter-node "
+        f"{o.bandwidth / 1e9:g} GB/s per GPU, {o.latency * 1e6:g} us ({cluster.gpus_per_node} GPUs per node)",
+        f"  data-parallel buckets {buckets}; parameter all-gather "
+        f"{'overlapped with the next forward' if comm.overlap_param_gather else 'exposed'}",
+    ]
+
+
+def time_lines(est: Estimate, tokens: float | None, device: Device, cluster: Cluster, comm: DpComm) -> list[str]:
+    t = est.time
+    ms = 1e3
+    lines = ["", "time plan, one optimizer step on the busiest rank:", *assumptions(device, cluster, comm),
+             f"  compute {t.compute_s * ms:.1f} ms" + (f" (pipeline makespan, idle {t.pipeline_idle:.3f})"
+                                                       if est.plan.layout.pp > 1 else "")
+             + f", optimizer {t.optimizer_s * ms:.1f} ms",
+             f"  exposed communication: tp {t.tp_s * ms:.1f} ms, pp {t.pp_s * ms:.1f} ms, dp {t.dp_exposed_s * ms:.1f} "
+             f"ms (reduction {t.dp.reduce_s * ms:.1f} ms + all-gather {t.dp.gather_s * ms:.1f} ms in {t.dp.calls} "
+             f"calls) -> {t.exposed_comm_fraction:.1%} of the step",
+             f"  step {t.step_time_s:.3f} s, {t.tokens_per_step} tokens: {t.tokens_per_s:,.0f} tokens/s, "
+             f"{t.tokens_per_day / 1e9:.2f}B tokens/day"
+             + (f", {t.days(tokens):.1f} days for {tokens:.3g} tokens" if tokens else ""),
+             f"  peak {est.peak_bytes / 2**30:.2f} GiB per GPU ({'fits' if est.fits else 'does NOT fit'})"]
+    return lines
+
+
+def ranking_lines(found: list[Estimate], tokens: float | None, top: int) -> list[str]:
+    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>4} {'mb':>4} {'ckpt':>5} {'wire':>5} {'step s':>8} "
+            f"{'tokens/s':>11} {'days':>7} {'exposed':>8} {'peak GiB':>9}")
+    lines = [head]
+    for n, e in enumerate(found[:top], 1):
+        lay, t = e.layout(), e.time
+        days = f"{t.days(tokens):7.1f}" if tokens else f"{'-':>7}"
+        lines.append(f"{n:3d} {lay['tp']:3d} {lay['pp']:3d} {lay['dp']:4d} {lay['micro_batch']:4d} "
+                     f"{lay['activation_checkpointing']:>5} {lay['grad_reduce_dtype']:>5} {t.step_time_s:8.3f} "
+                     f"{t.tokens_per_s:11,.0f} {days} {t.exposed_comm_fraction:8.1%} {e.peak_bytes / 2**30:9.2f}")
+    return lines
