@@ -1,8 +1,9 @@
 """The trainer's view of the data: this rank's share of each global batch and the validation batches, from a
 shard directory written by `python -m data_prep shards` (data_prep.loader does the work).
 
-Which rows of a global batch a data-parallel rank reads (cfg.dp_balance): "depth" deals the sequences by loop work
-(megaloop.depth.balance.deal_by_depth, ranks may hold different numbers of rows), "rows" gives every rank the same
+Which rows of a global batch a data-parallel rank reads (cfg.dp_balance): "depth" deals the sequences by their whole
+cost in FLOPs, non-loop + no-grad laps x c_ng + grad laps x c_g (megaloop.depth.balance.deal_by_depth with
+row_costs from the FLOP model; ranks may hold different numbers of rows), "rows" gives every rank the same
 rows and micro-batch count (depth buckets dealt by assign_buckets_to_ranks; the contiguous share when
 train.bucket_depths is off). Both are pure functions of the sampled depths, i.e. of (seed, step, sample index), so
 every rank computes the same dealing and reads only its own rows; the order and the resume state do not change."""
@@ -75,15 +76,21 @@ def rank_selection(cfg: Config, dp_rank: int, dp_size: int):
     if dp_size == 1 or (cfg.dp_balance == "rows" and not cfg.train.bucket_depths):
         return None
     from megaloop.depth import make_sampler
-    from megaloop.depth.balance import deal_by_depth, deal_by_rows
+    from megaloop.depth.balance import deal_by_depth, deal_by_rows, row_costs
+    from megaloop.train.flops import FlopModel
 
     m = cfg.model
     sampler = make_sampler(m.depth_sampler, m.mu_rec, m.backprop_depth, seed=cfg.train.seed)
     by_depth, micro = cfg.dp_balance == "depth", cfg.data.micro_batch_size
+    coefficients = FlopModel.of(m).integer_coefficients()
 
     def select(step: int, sample_indices):
-        depths = sampler.sample(step, sample_indices).T.numpy()
-        ranks = deal_by_depth(depths, dp_size) if by_depth else deal_by_rows(depths, dp_size, micro)
+        sample = sampler.sample(step, sample_indices)
+        depths = sample.T.numpy()
+        if by_depth:
+            ranks = deal_by_depth(depths, dp_size, row_costs(sample.n.numpy(), sample.k.numpy(), *coefficients))
+        else:
+            ranks = deal_by_rows(depths, dp_size, micro)
         return ranks[dp_rank]
 
     return select

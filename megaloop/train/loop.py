@@ -267,7 +267,7 @@ def _train_record(step, stats, figures, t_data, dt, summary, optimizer, guard: P
         "tokens_per_s": tokens / dt, "rho_A": tel["rho_A"], "state_norm": tel["state_norm"],
         "recurrent_residual": tel["recurrent_residual"], "mean_depth": figures.mean_depth,
         "executed_depth": figures.executed_depth, "idle_fraction": figures.idle_fraction,
-        "useful_flops": useful, "executed_flops": executed,
+        "idle_fraction_loop": figures.idle_fraction_loop, "useful_flops": useful, "executed_flops": executed,
         "mfu": mfu, "hfu": hfu,
         "time_data": t_data, "time_forward": stats.times["forward"], "time_backward": stats.times["backward"],
         "time_optimizer": stats.times["optimizer"], "time_step": dt,
