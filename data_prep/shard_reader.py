@@ -78,28 +78,24 @@ class ShardRows:
         self.index, header = manifest_index(path, entry, row_len, dtype)
         with open(path, "rb") as handle:
             self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-        self._bytes = np.frombuffer(self._map, dtype=np.uint8)
         self._check_members(header)
         self._view = np.ndarray((self.index.rows, row_len), dtype=self.dtype, buffer=self._map,
                                 offset=self.index.data_offset, strides=(self.index.stride, self.dtype.itemsize))
 
-    def _fields(self, starts: np.ndarray, width: int) -> np.ndarray:
-        return self._bytes[starts[:, None] + np.arange(width)[None, :]]
-
     def _check_members(self, header: bytes) -> None:
         """Every member's tar header names its row and records a row's size, and its data starts with the exact
-        .npy header of a row."""
-        npy_starts = self.index.data_offsets - len(header)
-        tar_starts = npy_starts - BLOCK
+        .npy header of a row (compared through one strided view of the mapping: no copy, no Python loop)."""
+        index = self.index
+        members = np.ndarray((index.rows, BLOCK + len(header)), dtype=np.uint8, buffer=self._map,
+                             offset=index.data_offset - len(header) - BLOCK, strides=(index.stride, 1))
         size = len(header) + self.row_len * self.dtype.itemsize
         size_field = np.frombuffer(tar_header("x", size)[SIZE_FIELD], dtype=np.uint8)
-        names = self._fields(tar_starts + NAME_FIELD.start, 100)
-        sizes = self._fields(tar_starts + SIZE_FIELD.start, SIZE_FIELD.stop - SIZE_FIELD.start)
-        bad_tar = ((names != _member_names(self.index.first_row, self.index.rows)).any(axis=1)
+        names, sizes = members[:, NAME_FIELD], members[:, SIZE_FIELD]
+        bad_tar = ((names != _member_names(index.first_row, index.rows)).any(axis=1)
                    | (sizes != size_field[None, :]).any(axis=1))
         if bad_tar.any():
             self._raise_bad_member(int(np.nonzero(bad_tar)[0][0]), names, sizes, size, header)
-        bad = np.nonzero((self._fields(npy_starts, len(header)) != np.frombuffer(header, np.uint8)).any(axis=1))[0]
+        bad = np.nonzero((members[:, BLOCK:] != np.frombuffer(header, np.uint8)).any(axis=1))[0]
         if len(bad):
             raise CorruptShardError(self.name, "member does not hold a .npy row of the recorded dtype and length",
                                     REMEDY, member=member_name(self.index.first_row + int(bad[0])))
@@ -151,6 +147,7 @@ class ShardDataset:
         self.dtype = np.dtype(self.manifest["dtype"])
         self.pad_id = self.manifest["tokenizer"]["pad_id"]
         self.skipped: list[dict] = []
+        self.rows_read = 0  # rows copied out of the shards so far (read_rows)
         self.entries = self._usable_entries(verify)
         self._open: dict[int, ShardRows] = {}
         if on_corrupt == "skip":
@@ -212,6 +209,7 @@ class ShardDataset:
     def read_rows(self, indices: np.ndarray) -> np.ndarray:
         """Rows [len(indices), row_len] in the given order (one copy per shard touched)."""
         shard, local = self.locate(indices)
+        self.rows_read += len(shard)
         out = np.empty((len(shard), self.row_len), dtype=self.dtype)
         for number in np.unique(shard):
             where = np.nonzero(shard == number)[0]
