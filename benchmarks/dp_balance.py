@@ -20,6 +20,9 @@ batch 256 and dp 8 / global batch 64 (or --dp/--global-batch):
                                   the busiest rank's FLOPs: max(total / dp, the costliest row, and for every k the
                                   k + 1 cheapest of the k dp + 1 costliest rows, which some rank must share)
   at bound                        the share of steps where the cost dealing meets that bound (provably optimal)
+  optimum, at optimum             (global batches of at most 2 dp rows, where a rank holds few rows) the exact least
+                                  FLOP idle of any dealing, by integer programs over rank configurations (scipy's
+                                  HiGHS), and the share of steps where the cost dealing reaches it
 Usage (from the repository root):
 
     python benchmarks/dp_balance.py                 # the standard cases, 200 steps each
@@ -138,7 +141,58 @@ def busiest_lower_bound(costs: np.ndarray, dp: int) -> int:
     return bound
 
 
-def flop_balance(model, dp: int, batch: int, steps: int, seed: int) -> dict[str, float]:
+def _configurations(costs: list[int], counts: list[int], cap: int) -> list[tuple[list[int], int]]:
+    """Every multiset of rows (at most counts[t] of cost costs[t]) with a total of at most cap: (counts, total)."""
+    out = []
+
+    def extend(t: int, chosen: list[int], total: int) -> None:
+        if t == len(costs):
+            if total:
+                out.append((list(chosen), total))
+            return
+        for m in range(min(counts[t], (cap - total) // costs[t]) + 1):
+            chosen.append(m)
+            extend(t + 1, chosen, total + m * costs[t])
+            chosen.pop()
+
+    extend(0, [], 0)
+    return out
+
+
+def _packs(costs: list[int], counts: list[int], dp: int, cap: int) -> bool:
+    """Can the rows be dealt to dp ranks with none above cap? An integer program over rank configurations: the
+    fewest configurations (each a multiset of rows of total <= cap) that together hold every row, against dp."""
+    from scipy.optimize import LinearConstraint, milp
+
+    configs = _configurations(costs, counts, cap)
+    if not configs:
+        return False
+    a = np.array([c for c, _ in configs], dtype=float).T   # [types, configurations]
+    res = milp(np.ones(a.shape[1]), constraints=LinearConstraint(a, lb=np.asarray(counts, float)),
+               integrality=np.ones(a.shape[1]), bounds=(0, dp))
+    return res.status == 0 and res.fun <= dp + 1e-9
+
+
+def optimal_busiest_costs(costs: np.ndarray, dp: int, upper: int) -> int:
+    """The least busiest-rank cost over every dealing of these rows (rows of equal cost are alike, so the search is
+    over how many rows of each cost a rank holds): a binary search between busiest_lower_bound and `upper` (a
+    dealing's busiest rank) over the totals a rank can have, each probe one integer program (scipy's HiGHS)."""
+    values, counts = np.unique(np.asarray(costs, dtype=np.int64), return_counts=True)
+    values, counts = values[::-1].tolist(), counts[::-1].tolist()
+    low = busiest_lower_bound(costs, dp)
+    candidates = sorted({total for _, total in _configurations(values, counts, upper) if low <= total < upper})
+    best = upper
+    lo, hi = 0, len(candidates) - 1
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if _packs(values, counts, dp, candidates[mid]):
+            best, hi = candidates[mid], mid - 1
+        else:
+            lo = mid + 1
+    return best
+
+
+def flop_balance(model, dp: int, batch: int, steps: int, seed: int, exact: bool = False) -> dict[str, float]:
     """Mean idle fractions over `steps` global batches (see the module docstring, --flops)."""
     from megaloop.train.flops import FlopModel
 
@@ -146,6 +200,8 @@ def flop_balance(model, dp: int, batch: int, steps: int, seed: int) -> dict[str,
     coefficients = FlopModel.of(model).integer_coefficients()
     figures = {"loop-pass idle, depth dealing": [], "FLOP idle, depth dealing": [], "FLOP idle, cost dealing": [],
                "loop-pass idle, cost dealing": [], "bound": [], "at bound": []}
+    if exact:
+        figures.update({"optimum": [], "at optimum": []})
     for step in range(steps):
         sample = sampler.sample(step, np.arange(step * batch, (step + 1) * batch))
         depths = sample.T.numpy()
@@ -160,6 +216,10 @@ def flop_balance(model, dp: int, batch: int, steps: int, seed: int) -> dict[str,
         figures["loop-pass idle, cost dealing"].append(idle_fraction(total_depth, [depths[r].sum() for r in new]))
         figures["bound"].append(idle_fraction(total_cost, [bound] * dp))
         figures["at bound"].append(float(busiest == bound))
+        if exact:
+            best = optimal_busiest_costs(costs, dp, busiest)
+            figures["optimum"].append(idle_fraction(total_cost, [best] * dp))
+            figures["at optimum"].append(float(busiest == best))
     return {name: float(np.mean(values)) for name, values in figures.items()}
 
 
@@ -219,7 +279,7 @@ def main(argv=None) -> dict:
               f"{model.backprop_depth}, {args.steps} steps; mean per step")
         results = {}
         for dp, batch in cases:
-            results[dp, batch] = res = flop_balance(model, dp, batch, args.steps, args.seed)
+            results[dp, batch] = res = flop_balance(model, dp, batch, args.steps, args.seed, exact=batch <= 2 * dp)
             print(f"dp {dp:3d}, {batch:4d} rows: " + "  ".join(f"{k} {v:.3f}" for k, v in res.items()), flush=True)
         return results
     if args.trainer:
