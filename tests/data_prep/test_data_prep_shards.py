@@ -119,12 +119,14 @@ def test_member_offsets_in_the_manifest_are_the_tar_offsets_and_reading_scans_no
 
 
 def test_plain_webdataset_reads_every_row(small_shards):
+    """The pinned `webdataset` library reads our shards as they are: every row, in order, keyed by its row id (the
+    member name without .npy), the same bytes as the loader's."""
     script = textwrap.dedent("""
         import glob, hashlib, sys, numpy as np, webdataset as wds
         urls = sorted(glob.glob(sys.argv[1] + "/train-*.tar"))
         digest, count = hashlib.sha256(), 0
         for sample in wds.WebDataset(urls, shardshuffle=False).decode():
-            assert sample["npy"].dtype == np.uint16
+            assert sample["npy"].dtype == np.uint16 and sample["__key__"] == f"{count:010d}", sample["__key__"]
             digest.update(sample["npy"].tobytes()); count += 1
         print(count, digest.hexdigest())
     """)
