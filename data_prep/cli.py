@@ -178,7 +178,8 @@ def run_reindex(args) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"tokenizer": run_tokenizer, "shards": run_shards, "inspect": run_inspect, "reindex": run_reindex}[args.command]
+    handler = {"tokenizer": run_tokenizer, "shards": run_shards, "inspect": run_inspect,
+               "reindex": run_reindex}[args.command]
     try:
         return handler(args)
     except DataPrepError as err:

@@ -3,8 +3,8 @@
 The manifest is written last, after every shard is closed, so a directory with a manifest is complete. Its main
 fields: format/format_version, seq_len, row_len, dtype, tokenizer {hash, vocab_size, bos_id, eos_id, pad_id,
 encoder}, parameters (the creation options that shape the output), splits {train, val: rows, tokens, documents,
-shards [{name, rows, first_row, size, sha256, data_offset, stride}]}, sources [{path, size, sha256, split, tokens, replaced_bytes,
-skipped}], counts (files, skipped files by reason, replaced bytes).
+shards [{name, rows, first_row, size, sha256, data_offset, stride}]}, sources [{path, size, sha256, split, tokens,
+replaced_bytes, skipped}], counts (files, skipped files by reason, replaced bytes).
 
 Format version 2 added each shard's member layout (data_offset, stride), so that readers never scan a tar archive.
 A version-1 directory is refused with the command that adds it (`python -m data_prep reindex --shards DIR`).

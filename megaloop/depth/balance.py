@@ -4,9 +4,9 @@ Under the ragged loop a micro-batch runs exactly sum(T_i) core passes, whatever 
 the sum of the depths of the rows it holds. A row also costs its prelude, coda and head (forward and backward, the
 same for every row) and its laps are not alike (a lap with gradient costs about three without), so the trainer deals
 by each row's whole cost, `row_costs`: non_loop + n x c_ng + k x c_g FLOPs per token (megaloop.train.flops's
-coefficients; n laps without gradient, k with). Dealing by depth alone is `costs=None`. The depths of a global batch are pure functions of (seed, step, global
-sample index), known before any token is read, so every rank can compute the same dealing on its own and its loader
-then reads only its rows.
+coefficients; n laps without gradient, k with). Dealing by depth alone is `costs=None`. The depths (so the costs) of
+a global batch are pure functions of (seed, step, global sample index), known before any token is read, so every
+rank can compute the same dealing on its own and its loader then reads only its rows.
 
 `deal_by_depth` is longest-processing-time-first greedy: sequences in decreasing cost (ties by position) each go to
 the rank with the least work so far (ties: fewer rows, then the lower rank), so ranks may hold different numbers of
