@@ -1,4 +1,4 @@
-"""Command line: `python -m data_prep {tokenizer,shards,inspect} ...` (see --help of each)."""
+"""Command line: `python -m data_prep {tokenizer,shards,inspect,reindex} ...` (see --help of each)."""
 from __future__ import annotations
 
 import argparse
@@ -66,12 +66,21 @@ def _add_inspect_parser(commands) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
+def _add_reindex_parser(commands) -> None:
+    p = commands.add_parser("reindex", help="record member offsets in the manifest of shards made before they were",
+                            description="Scan each shard's tar headers once, check them against the manifest and "
+                            "rewrite manifest.json (atomically) with each shard's data offset and stride, so that "
+                            "readers never scan a shard. The shards are not changed; saved loader states stay valid.")
+    p.add_argument("--shards", required=True, help="directory written by `data_prep shards`")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m data_prep", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     _add_tokenizer_parser(commands)
     _add_shards_parser(commands)
     _add_inspect_parser(commands)
+    _add_reindex_parser(commands)
     return parser
 
 
@@ -157,9 +166,20 @@ def run_inspect(args) -> int:
     return 0 if problems == 0 else 1
 
 
+def run_reindex(args) -> int:
+    from .reindex import reindex
+
+    start = time.perf_counter()
+    done = reindex(args.shards)
+    print(f"{args.shards}: member offsets of {done['shards']} shards recorded in {time.perf_counter() - start:.1f} s"
+          if done["changed"] else f"{args.shards}: the manifest already records the member offsets; nothing to do")
+    return 0
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"tokenizer": run_tokenizer, "shards": run_shards, "inspect": run_inspect}[args.command]
+    handler = {"tokenizer": run_tokenizer, "shards": run_shards, "inspect": run_inspect,
+               "reindex": run_reindex}[args.command]
     try:
         return handler(args)
     except DataPrepError as err:

@@ -11,6 +11,10 @@ the global batch's run-wide sample indices s*G + [0, G)) this rank reads, e.g. r
 the sample indices. It must be a pure function (the prefetch thread calls it); only the selected rows are read, and
 the order and resume state above do not change.
 
+A loader made with read_tokens=False reads no row: its batches carry the same sample_index, row_id and epoch, and
+"tokens" is a zero tensor of the right shape for the one reader of a data-parallel replica to fill (every
+tensor- and pipeline-parallel rank of a replica needs the same rows; see pipeline.replica_data).
+
 Each batch is a dict (R = G/dp rows, or as many as `select` chose, in its order):
     tokens        LongTensor [R, seq_len + 1]   input_ids = tokens[:, :-1], labels = tokens[:, 1:]
     sample_index  LongTensor [R]                run-wide global sample index s*G + j (j in 0..G-1)
@@ -66,11 +70,13 @@ class ShardLoader:
         prepare: prepare(step, batch), called for each batch the iterator yields, before it is handed over (in
             the prefetch thread when there is one): host work for a coming step that need not wait for it. An
             exception in it reaches the consumer like a read error.
+        read_tokens: False: read no row (batches hold zero tokens of the right shape, for a broadcast to fill).
     """
 
     def __init__(self, shard_dir, global_batch_size: int, dp_rank: int = 0, dp_size: int = 1, seed: int = 0,
                  split: str = "train", verify: str = "fast", on_corrupt: str = "error", prefetch: int = 2,
-                 tokenizer_hash: str | None = None, select=None, pin_memory: bool = False, prepare=None):
+                 tokenizer_hash: str | None = None, select=None, pin_memory: bool = False, prepare=None,
+                 read_tokens: bool = True):
         _check_layout(global_batch_size, dp_rank, dp_size)
         self.pin_memory, self.prepare = pin_memory, prepare
         self.dataset = ShardDataset(shard_dir, split, verify, on_corrupt, tokenizer_hash)
@@ -79,7 +85,7 @@ class ShardLoader:
                                 f"(skipped: {self.dataset.skipped})", "re-create the shards")
         self.global_batch_size, self.dp_rank, self.dp_size = global_batch_size, dp_rank, dp_size
         self.local_batch_size = global_batch_size // dp_size
-        self.seed, self.prefetch, self.select = seed, prefetch, select
+        self.seed, self.prefetch, self.select, self.read_tokens = seed, prefetch, select, read_tokens
         self.dataset_id = manifest_fingerprint(self.dataset.manifest) + f"/{split}/{len(self.dataset)}"
         self._step = 0
         self._active = None
@@ -108,8 +114,11 @@ class ShardLoader:
         """This rank's share of global batch `step` (a pure function of seed, step, the layout and `select`)."""
         positions = self._positions(step)
         rows, epochs = rows_at(positions, self.num_rows, self.seed)
-        tokens = self.dataset.read_rows(rows)
-        return {"tokens": torch.from_numpy(tokens.astype(np.int64)),
+        if self.read_tokens:
+            tokens = torch.from_numpy(self.dataset.read_rows(rows).astype(np.int64))
+        else:
+            tokens = torch.zeros((len(rows), self.dataset.row_len), dtype=torch.int64)
+        return {"tokens": tokens,
                 "sample_index": torch.from_numpy(positions),
                 "row_id": torch.from_numpy(self.dataset.row_ids(rows)),
                 "epoch": torch.from_numpy(epochs), "step": torch.tensor(step)}

@@ -3,8 +3,11 @@
 The manifest is written last, after every shard is closed, so a directory with a manifest is complete. Its main
 fields: format/format_version, seq_len, row_len, dtype, tokenizer {hash, vocab_size, bos_id, eos_id, pad_id,
 encoder}, parameters (the creation options that shape the output), splits {train, val: rows, tokens, documents,
-shards [{name, rows, first_row, size, sha256}]}, sources [{path, size, sha256, split, tokens, replaced_bytes,
-skipped}], counts (files, skipped files by reason, replaced bytes).
+shards [{name, rows, first_row, size, sha256, data_offset, stride}]}, sources [{path, size, sha256, split, tokens,
+replaced_bytes, skipped}], counts (files, skipped files by reason, replaced bytes).
+
+Format version 2 added each shard's member layout (data_offset, stride), so that readers never scan a tar archive.
+A version-1 directory is refused with the command that adds it (`python -m data_prep reindex --shards DIR`).
 """
 from __future__ import annotations
 
@@ -17,7 +20,13 @@ from .errors import CorruptShardError, DataPrepError, TokenizerMismatchError
 
 MANIFEST_FILE = "manifest.json"
 FORMAT = "megaloop-data_prep-shards"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+UNINDEXED_VERSION = 1  # the shards are the same; the manifest lacks the member offsets
+
+
+def reindex_command(shard_dir) -> str:
+    """The command that adds member offsets to a version-1 manifest."""
+    return f"python -m data_prep reindex --shards {shard_dir}"
 VERIFY_MODES = ("full", "fast", "none")
 HASH_CHUNK = 1 << 22
 
@@ -44,6 +53,12 @@ def read_manifest(shard_dir) -> dict:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
         raise DataPrepError(f"{path} is not valid JSON ({err})", "re-create the shards") from err
+    if isinstance(manifest, dict) and manifest.get("format") == FORMAT \
+            and manifest.get("format_version") == UNINDEXED_VERSION:
+        raise DataPrepError(f"{path} has no member offsets (format version {UNINDEXED_VERSION}, written before "
+                            "readers stopped scanning the tar files)",
+                            f"run `{reindex_command(shard_dir)}` once (it scans each shard and rewrites the "
+                            "manifest), or re-create the shards")
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT \
             or manifest.get("format_version") != FORMAT_VERSION:
         raise DataPrepError(f"{path} is not a data_prep manifest of version {FORMAT_VERSION}",
@@ -62,6 +77,7 @@ def check_manifest_layout(manifest: dict, path) -> None:
         for info in manifest["splits"].values():
             for entry in info["shards"]:
                 entry["name"], entry["rows"], entry["first_row"], entry["size"], entry["sha256"]
+                entry["data_offset"], entry["stride"]
     except (KeyError, TypeError, AttributeError) as err:
         raise DataPrepError(f"{path} lacks a field every shard directory has ({type(err).__name__}: {err})",
                             remedy) from None

@@ -1,14 +1,14 @@
 """Random access to the rows of a shard directory (no torch; used by the loader and by `inspect`).
 
-Each shard is indexed once, on first use: tarfile walks the member headers and gives every member's data offset;
-the index checks member count, names, sizes and .npy headers against the manifest. The shard is then memory-mapped.
-When the members sit at a constant stride (always, for shards written by data_prep) the rows are one strided numpy
-view of the mapping and a batch is a single fancy-indexing copy; otherwise each row is one slice at its offset.
+The manifest records each shard's member layout (data_offset of row 0's array data, stride between rows; see
+data_prep.shard_writer), so opening a shard reads no tar structure: the file is memory-mapped and its rows are one
+strided numpy view, a batch one fancy-indexing copy. On first use every member's tar name and size field and its
+.npy header are checked in one vectorised compare, and the rows must lie inside the file; errors name the shard and
+the member. (Shards of a manifest without offsets are refused; `python -m data_prep reindex` scans them once.)
 """
 from __future__ import annotations
 
 import mmap
-import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,70 +16,57 @@ import numpy as np
 
 from .errors import CorruptShardError, DataPrepError
 from .manifest import check_tokenizer_hash, corrupt_shard_error, read_manifest, verify_shards
-from .shard_writer import member_name, npy_header
+from .shard_writer import BLOCK, MEMBER_NAME_DIGITS, member_name, npy_header, tar_header
 
 CORRUPT_POLICIES = ("error", "skip")
 REMEDY = ("re-create the shards with `python -m data_prep shards`, or load with on_corrupt='skip' (a megaloop "
           "config: data.on_corrupt=skip) to leave this shard out (it is counted)")
-
-
-def _scan_members(path: Path, entry: dict) -> tuple[list[str], np.ndarray, np.ndarray]:
-    """Names, data offsets and sizes of the regular members, in archive order."""
-    names, offsets, sizes = [], [], []
-    try:
-        with tarfile.open(path, mode="r:") as archive:
-            for info in archive:
-                if info.isfile():
-                    names.append(info.name)
-                    offsets.append(info.offset_data)
-                    sizes.append(info.size)
-    except (tarfile.TarError, OSError, EOFError) as err:
-        after = f" after member {names[-1]}" if names else ""
-        raise CorruptShardError(entry["name"], f"unreadable tar data{after} ({err})", REMEDY,
-                                member=member_name(entry["first_row"] + len(names))) from err
-    return names, np.asarray(offsets, dtype=np.int64), np.asarray(sizes, dtype=np.int64)
+NAME_FIELD, SIZE_FIELD = slice(0, 100), slice(124, 136)
 
 
 @dataclass
 class ShardIndex:
-    """Where each row's array data starts inside one shard file."""
+    """Where each row's array data starts inside one shard file: data_offset + i * stride."""
 
     name: str
     first_row: int
     rows: int
-    data_offsets: np.ndarray
-    stride: int | None
+    data_offset: int
+    stride: int
+
+    @property
+    def data_offsets(self) -> np.ndarray:
+        return self.data_offset + self.stride * np.arange(self.rows, dtype=np.int64)
 
 
-def build_shard_index(path: Path, entry: dict, row_len: int, dtype) -> tuple[ShardIndex, bytes]:
-    """Index one shard and check it against its manifest entry; errors name the shard and the member.
+def manifest_index(path: Path, entry: dict, row_len: int, dtype) -> tuple[ShardIndex, bytes]:
+    """The index of one shard from its manifest entry, checked against the file's size (no read of the file).
 
-    Returns the index and the .npy header every member must start with.
-    """
+    Returns the index and the .npy header every member must start with."""
     header = npy_header(dtype, row_len)
-    expected_size = len(header) + row_len * np.dtype(dtype).itemsize
-    names, offsets, sizes = _scan_members(path, entry)
+    row_bytes = row_len * np.dtype(dtype).itemsize
+    offset, stride, rows = entry["data_offset"], entry["stride"], entry["rows"]
+    if not all(isinstance(v, int) for v in (offset, stride)) or offset < BLOCK + len(header) \
+            or (rows > 1 and stride < BLOCK + len(header) + row_bytes):
+        raise CorruptShardError(entry["name"], f"the manifest's member layout (data_offset {offset!r}, stride "
+                                f"{stride!r}) cannot hold rows of {row_bytes} bytes", REMEDY)
     file_size = path.stat().st_size
-    for i in range(min(len(names), entry["rows"])):
-        want = member_name(entry["first_row"] + i)
-        if names[i] != want or sizes[i] != expected_size or offsets[i] + sizes[i] > file_size:
-            problem = (f"member is {names[i]} of {sizes[i]} bytes, expected {want} of {expected_size} bytes"
-                       if offsets[i] + sizes[i] <= file_size else "member data runs past the end of the file")
-            tokens = (int(sizes[i]) - len(header)) / np.dtype(dtype).itemsize
-            if names[i] == want and sizes[i] != expected_size and tokens.is_integer() and tokens > 1:
-                problem += (f": it holds a row of {int(tokens)} tokens (seq_len {int(tokens) - 1}), but the manifest "
-                            f"records seq_len {row_len - 1}, so the shards and manifest.json disagree")
-            raise CorruptShardError(entry["name"], problem, REMEDY, member=want)
-    if len(names) != entry["rows"]:
-        missing = member_name(entry["first_row"] + len(names)) if len(names) < entry["rows"] else None
-        raise CorruptShardError(entry["name"], f"holds {len(names)} rows, the manifest records {entry['rows']} "
-                                "(truncated or altered)", REMEDY, member=missing)
-    steps = np.diff(offsets)
-    if len(offsets) == 1:
-        stride = expected_size
-    else:
-        stride = int(steps[0]) if (steps == steps[0]).all() else None
-    return ShardIndex(entry["name"], entry["first_row"], entry["rows"], offsets + len(header), stride), header
+    fitting = 0 if offset + row_bytes > file_size else min(rows, (file_size - offset - row_bytes) // stride + 1)
+    if fitting < rows:
+        raise CorruptShardError(entry["name"], f"member data runs past the end of the file ({file_size} bytes; "
+                                f"holds {fitting} of the {rows} rows the manifest records: truncated)", REMEDY,
+                                member=member_name(entry["first_row"] + fitting))
+    return ShardIndex(entry["name"], entry["first_row"], rows, offset, stride), header
+
+
+def _member_names(first_row: int, rows: int) -> np.ndarray:
+    """The tar name fields ({row:010d}.npy, NUL-padded to 100 bytes) of `rows` members from `first_row`, [rows, 100]."""
+    numbers = first_row + np.arange(rows, dtype=np.int64)
+    powers = 10 ** np.arange(MEMBER_NAME_DIGITS - 1, -1, -1, dtype=np.int64)
+    names = np.zeros((rows, 100), dtype=np.uint8)
+    names[:, :MEMBER_NAME_DIGITS] = (numbers[:, None] // powers[None, :]) % 10 + ord("0")
+    names[:, MEMBER_NAME_DIGITS:MEMBER_NAME_DIGITS + 4] = np.frombuffer(b".npy", dtype=np.uint8)
+    return names
 
 
 class ShardRows:
@@ -88,34 +75,48 @@ class ShardRows:
     def __init__(self, path: Path, entry: dict, row_len: int, dtype, vocab_size: int):
         self.name = entry["name"]
         self.row_len, self.dtype, self.vocab_size = row_len, np.dtype(dtype), vocab_size
-        self.index, header = build_shard_index(path, entry, row_len, dtype)
+        self.index, header = manifest_index(path, entry, row_len, dtype)
         with open(path, "rb") as handle:
             self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-        self._bytes = np.frombuffer(self._map, dtype=np.uint8)
-        self._check_npy_headers(header)
-        self._view = None
-        if self.index.stride is not None:
-            self._view = np.ndarray((self.index.rows, row_len), dtype=self.dtype, buffer=self._map,
-                                    offset=int(self.index.data_offsets[0]),
-                                    strides=(self.index.stride, self.dtype.itemsize))
+        self._check_members(header)
+        self._view = np.ndarray((self.index.rows, row_len), dtype=self.dtype, buffer=self._map,
+                                offset=self.index.data_offset, strides=(self.index.stride, self.dtype.itemsize))
 
-    def _check_npy_headers(self, header: bytes) -> None:
-        """Every member must start with the exact .npy header of a row."""
-        expected = np.frombuffer(header, dtype=np.uint8)
-        starts = self.index.data_offsets - len(header)
-        found = self._bytes[starts[:, None] + np.arange(len(header))[None, :]]
-        bad = np.nonzero((found != expected[None, :]).any(axis=1))[0]
+    def _check_members(self, header: bytes) -> None:
+        """Every member's tar header names its row and records a row's size, and its data starts with the exact
+        .npy header of a row (compared through one strided view of the mapping: no copy, no Python loop)."""
+        index = self.index
+        members = np.ndarray((index.rows, BLOCK + len(header)), dtype=np.uint8, buffer=self._map,
+                             offset=index.data_offset - len(header) - BLOCK, strides=(index.stride, 1))
+        size = len(header) + self.row_len * self.dtype.itemsize
+        size_field = np.frombuffer(tar_header("x", size)[SIZE_FIELD], dtype=np.uint8)
+        names, sizes = members[:, NAME_FIELD], members[:, SIZE_FIELD]
+        bad_tar = ((names != _member_names(index.first_row, index.rows)).any(axis=1)
+                   | (sizes != size_field[None, :]).any(axis=1))
+        if bad_tar.any():
+            self._raise_bad_member(int(np.nonzero(bad_tar)[0][0]), names, sizes, size, header)
+        bad = np.nonzero((members[:, BLOCK:] != np.frombuffer(header, np.uint8)).any(axis=1))[0]
         if len(bad):
             raise CorruptShardError(self.name, "member does not hold a .npy row of the recorded dtype and length",
                                     REMEDY, member=member_name(self.index.first_row + int(bad[0])))
 
+    def _raise_bad_member(self, i: int, names, sizes, expected_size: int, header: bytes):
+        want = member_name(self.index.first_row + i)
+        name = bytes(names[i]).split(b"\0", 1)[0].decode("utf-8", "replace")
+        try:
+            found = int(bytes(sizes[i]).strip(b"\0 ").decode("ascii") or "0", 8)
+        except ValueError:
+            found = -1
+        problem = f"member is {name} of {found} bytes, expected {want} of {expected_size} bytes"
+        tokens = (found - len(header)) / self.dtype.itemsize
+        if name == want and found != expected_size and tokens.is_integer() and tokens > 1:
+            problem += (f": it holds a row of {int(tokens)} tokens (seq_len {int(tokens) - 1}), but the manifest "
+                        f"records seq_len {self.row_len - 1}, so the shards and manifest.json disagree")
+        raise CorruptShardError(self.name, problem, REMEDY, member=want)
+
     def read(self, local_rows: np.ndarray) -> np.ndarray:
         """Rows [n, row_len] (a copy) for local row indices; ids beyond the vocabulary are a corruption error."""
-        if self._view is not None:
-            rows = self._view[local_rows]
-        else:
-            rows = np.stack([np.frombuffer(self._map, dtype=self.dtype, count=self.row_len,
-                                           offset=int(self.index.data_offsets[r])) for r in local_rows])
+        rows = self._view[local_rows]
         if rows.size and rows.max() >= self.vocab_size:
             bad = int(local_rows[int(np.nonzero((rows >= self.vocab_size).any(axis=1))[0][0])])
             raise CorruptShardError(self.name, f"row holds token ids >= vocab size {self.vocab_size}",
@@ -146,6 +147,7 @@ class ShardDataset:
         self.dtype = np.dtype(self.manifest["dtype"])
         self.pad_id = self.manifest["tokenizer"]["pad_id"]
         self.skipped: list[dict] = []
+        self.rows_read = 0  # rows copied out of the shards so far (read_rows)
         self.entries = self._usable_entries(verify)
         self._open: dict[int, ShardRows] = {}
         if on_corrupt == "skip":
@@ -207,6 +209,7 @@ class ShardDataset:
     def read_rows(self, indices: np.ndarray) -> np.ndarray:
         """Rows [len(indices), row_len] in the given order (one copy per shard touched)."""
         shard, local = self.locate(indices)
+        self.rows_read += len(shard)
         out = np.empty((len(shard), self.row_len), dtype=self.dtype)
         for number in np.unique(shard):
             where = np.nonzero(shard == number)[0]

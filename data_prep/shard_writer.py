@@ -8,6 +8,10 @@ Each row is one tar member named `{row:010d}.npy` (row = index of the row within
 array (uint16 when every id fits, else uint32), exactly what `numpy.save` writes. Tar headers are fixed (mtime 0,
 uid/gid 0, empty user/group names, mode 0644, ustar format) so equal rows always give byte-identical shards.
 Shards are named `{split}-{number:06d}.tar` and hold `rows_per_shard` rows (the last one fewer).
+
+Every member has the same size, so the members sit at a constant stride: the manifest records, per shard, the byte
+offset of the first row's array data (`data_offset`, past its tar and .npy headers) and the `stride` between rows,
+and readers map the rows from these two numbers without scanning the archive.
 """
 from __future__ import annotations
 
@@ -89,6 +93,7 @@ class TarFileWriter:
         self._sha = hashlib.sha256()
         self.size = 0
         self._headers: dict[int, MemberHeaders] = {}
+        self.data_offsets: list[int] = []  # where each member's payload starts
 
     def _write(self, data: bytes) -> None:
         self._file.write(data)
@@ -100,6 +105,7 @@ class TarFileWriter:
         if len(payload) not in self._headers:
             self._headers[len(payload)] = MemberHeaders(len(payload))
         self._write(self._headers[len(payload)](name))
+        self.data_offsets.append(self.size)
         self._write(payload)
         remainder = len(payload) % BLOCK
         if remainder:
@@ -113,6 +119,18 @@ class TarFileWriter:
             self._write(b"\0" * (RECORD - remainder))
         self._file.close()
         return self.size, self._sha.hexdigest()
+
+
+def member_layout(payload_offsets, npy_header_len: int, payload_len: int) -> dict:
+    """{"data_offset": where row 0's array data starts, "stride": bytes from one row to the next} of a shard whose
+    members' payloads (.npy header + data) start at `payload_offsets`; ValueError when they are not equally spaced
+    (only a shard written by another tool can be so)."""
+    offsets = np.asarray(payload_offsets, dtype=np.int64)
+    steps = np.diff(offsets)
+    if len(offsets) == 0 or (steps.size and (steps != steps[0]).any()):
+        raise ValueError("the members are not equally spaced")
+    stride = int(steps[0]) if steps.size else BLOCK + -(-int(payload_len) // BLOCK) * BLOCK
+    return {"data_offset": int(offsets[0]) + int(npy_header_len), "stride": stride}
 
 
 @dataclass
@@ -147,13 +165,17 @@ class SplitShardWriter:
                 self._close_current()
 
     def _close_current(self) -> None:
+        offsets = self._current.data_offsets
         size, digest = self._current.close()
         self.shards.append({"name": self._current.path.name, "rows": self._rows_in_current,
-                            "first_row": self._first_row, "size": size, "sha256": digest})
+                            "first_row": self._first_row, "size": size, "sha256": digest,
+                            **member_layout(offsets, len(self._header),
+                                              len(self._header) + self.row_len * np.dtype(self.dtype).itemsize)})
         self._current = None
 
     def close(self) -> list[dict]:
-        """Finish the last shard; returns one dict per shard (name, rows, first_row, size, sha256)."""
+        """Finish the last shard; returns one dict per shard (name, rows, first_row, size, sha256, data_offset,
+        stride)."""
         if self._current is not None:
             self._close_current()
         return self.shards

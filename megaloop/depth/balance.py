@@ -1,16 +1,20 @@
-"""Depth-balanced data parallelism: deal a global batch's sequences to data-parallel ranks by loop work.
+"""Cost-balanced data parallelism: deal a global batch's sequences to data-parallel ranks by their work.
 
 Under the ragged loop a micro-batch runs exactly sum(T_i) core passes, whatever its grouping, so a rank's loop work is
-the sum of the depths of the rows it holds. The depths of a global batch are pure functions of (seed, step, global
-sample index), known before any token is read, so every rank can compute the same dealing on its own and its loader
-then reads only its rows.
+the sum of the depths of the rows it holds. A row also costs its prelude, coda and head (forward and backward, the
+same for every row) and its laps are not alike (a lap with gradient costs about three without), so the trainer deals
+by each row's whole cost, `row_costs`: non_loop + n x c_ng + k x c_g FLOPs per token (megaloop.train.flops's
+coefficients; n laps without gradient, k with). Dealing by depth alone is `costs=None`. The depths (so the costs) of
+a global batch are pure functions of (seed, step, global sample index), known before any token is read, so every
+rank can compute the same dealing on its own and its loader then reads only its rows.
 
-`deal_by_depth` is longest-processing-time-first greedy: sequences in decreasing depth (ties by position) each go to
+`deal_by_depth` is longest-processing-time-first greedy: sequences in decreasing cost (ties by position) each go to
 the rank with the least work so far (ties: fewer rows, then the lower rank), so ranks may hold different numbers of
 rows; then, while a move of one row from the busiest rank to another, or a swap of one row each, lowers the busiest
 rank's work without making the other rank as busy, the best such exchange is made (each one strictly lowers the sum
-of squared loads, so this ends). Its figure of merit is idle_fraction = 1 - sum(depths) / (dp * the busiest rank's
-work): the share of the job's core-pass slots that ranks spend waiting for the busiest one (0 = perfectly balanced).
+of squared loads, so this ends). Its figure of merit is idle_fraction = 1 - total work / (dp * the busiest rank's
+work): the share of the job's slots that ranks spend waiting for the busiest one (0 = perfectly balanced), weighted
+by FLOPs when the work is FLOPs, by core passes when it is depths.
 """
 from __future__ import annotations
 
@@ -29,17 +33,32 @@ def _check_dp(dp) -> int:
     return dp
 
 
-def deal_by_depth(depths, dp: int) -> list[np.ndarray]:
-    """Positions of the global batch held by each of `dp` ranks, balanced by the sum of their depths.
+def row_costs(n, k, non_loop: int, step_nograd: int, step_grad: int) -> np.ndarray:
+    """Each row's whole cost, non_loop + n * step_nograd + k * step_grad (int64; the coefficients are integers,
+    e.g. FLOPs per token, so the sums are exact and every rank deals alike)."""
+    n, k = _depth_array(n), _depth_array(k)
+    coeffs = [operator.index(c) for c in (non_loop, step_nograd, step_grad)]
+    if n.shape != k.shape or min(coeffs) < 0:
+        raise ValueError(f"row_costs needs n and k of one shape and coefficients >= 0, got {n.shape}, {k.shape}, "
+                         f"{coeffs}")
+    return coeffs[0] + n * coeffs[1] + k * coeffs[2]
 
-    A pure function of (depths, dp): every rank computes the same dealing. Each rank's positions come back in
+
+def deal_by_depth(depths, dp: int, costs=None) -> list[np.ndarray]:
+    """Positions of the global batch held by each of `dp` ranks, balanced by the sum of their rows' `costs`
+    (integers, e.g. `row_costs`; None: the depths themselves, i.e. loop passes only).
+
+    A pure function of (depths, dp, costs): every rank computes the same dealing. Each rank's positions come back in
     increasing order; together they are a permutation of range(len(depths)).
     """
-    depth_arr, dp = _depth_array(depths), _check_dp(dp)
+    depth_arr, dp = _depth_array(depths if costs is None else costs), _check_dp(dp)
+    if costs is not None and depth_arr.shape != _depth_array(depths).shape:
+        raise ValueError(f"costs must give one cost per row: {depth_arr.shape} costs for "
+                         f"{_depth_array(depths).shape} depths")
     if depth_arr.size < dp:
         raise ValueError(f"a global batch of {depth_arr.size} sequences cannot give every one of dp={dp} ranks a "
                          "row; raise data.global_batch_size to at least dp")
-    order = np.lexsort((np.arange(depth_arr.size), -depth_arr))  # deepest first, ties by position
+    order = np.lexsort((np.arange(depth_arr.size), -depth_arr))  # costliest first, ties by position
     heap = [(0, 0, rank) for rank in range(dp)]  # (work, rows, rank): the least loaded rank on top
     owned: list[list[int]] = [[] for _ in range(dp)]
     for position in order.tolist():
@@ -99,7 +118,7 @@ def split_rank_rows(depths, micro_batch_size: int, by_depth: bool = True) -> lis
 
 
 def idle_fraction(total_work: float, rank_work) -> float:
-    """1 - total_work / (dp * max(rank_work)): the share of core-pass slots spent waiting for the busiest rank.
-    `total_work` is the useful work (sum of depths), `rank_work` each rank's executed work."""
+    """1 - total_work / (dp * max(rank_work)): the share of slots spent waiting for the busiest rank.
+    `total_work` is the useful work (sum of depths, or of FLOPs), `rank_work` each rank's executed work (same unit)."""
     busiest = max(rank_work) if len(rank_work) else 0
     return 1.0 - total_work / (len(rank_work) * busiest) if busiest > 0 else 0.0

@@ -1,11 +1,15 @@
 """The trainer's view of the data: this rank's share of each global batch and the validation batches, from a
 shard directory written by `python -m data_prep shards` (data_prep.loader does the work).
 
-Which rows of a global batch a data-parallel rank reads (cfg.dp_balance): "depth" deals the sequences by loop work
-(megaloop.depth.balance.deal_by_depth, ranks may hold different numbers of rows), "rows" gives every rank the same
+Which rows of a global batch a data-parallel rank reads (cfg.dp_balance): "depth" deals the sequences by their whole
+cost in FLOPs, non-loop + no-grad laps x c_ng + grad laps x c_g (megaloop.depth.balance.deal_by_depth with
+row_costs from the FLOP model; ranks may hold different numbers of rows), "rows" gives every rank the same
 rows and micro-batch count (depth buckets dealt by assign_buckets_to_ranks; the contiguous share when
 train.bucket_depths is off). Both are pure functions of the sampled depths, i.e. of (seed, step, sample index), so
-every rank computes the same dealing and reads only its own rows; the order and the resume state do not change."""
+every rank computes the same dealing and reads only its own rows; the order and the resume state do not change.
+
+Under tensor or pipeline parallelism one rank per data-parallel replica reads the rows and the others receive them
+(pipeline.replica_data.ReplicaReader, given the runtime's layout): the batches are the same tensors, read once."""
 from __future__ import annotations
 
 import itertools
@@ -16,18 +20,21 @@ from megaloop.config import Config, ConfigError
 
 
 class ShardData:
-    """pin: the training batches' tokens pinned in the loader's prefetch thread (`pin_batches`)."""
+    """pin: the training batches' tokens pinned in the loader's prefetch thread (`pin_batches`); layout: see
+    open_data."""
 
-    def __init__(self, cfg: Config, dp_rank: int, dp_size: int, pin: bool = False):
+    def __init__(self, cfg: Config, dp_rank: int, dp_size: int, layout=None, pin: bool = False):
         from data_prep.loader import ShardLoader
         from data_prep.manifest import read_manifest
 
         d = cfg.data
         self.cfg, self.dp_rank, self.dp_size = cfg, dp_rank, dp_size
         self.manifest = read_manifest(d.shards)
+        self.replica = _replica_reader(layout)
         self.loader = ShardLoader(d.shards, d.global_batch_size, dp_rank, dp_size, seed=cfg.train.seed,
                                   verify=d.verify, on_corrupt=d.on_corrupt, prefetch=d.prefetch,
-                                  select=rank_selection(cfg, dp_rank, dp_size), pin_memory=pin)
+                                  select=rank_selection(cfg, dp_rank, dp_size), pin_memory=pin,
+                                  read_tokens=self.replica is None or self.replica.reads)
         self.bytes_per_token = _bytes_per_token(self.manifest, "val")
         self._val = None
         self._ahead = None  # the training iterator whose first batch read_first_batch read
@@ -39,7 +46,7 @@ class ShardData:
 
     def train_batches(self):
         """The training batches from the loader's position (the one read_first_batch read first)."""
-        batches, self._ahead = self._ahead or iter(self.loader), None
+        batches, self._ahead = self._ahead or self._shared(iter(self.loader)), None
         return batches
 
     def prepare_ahead(self, prepare) -> None:
@@ -50,8 +57,21 @@ class ShardData:
     def read_first_batch(self) -> None:
         """Read the next training batch now, so that a data error (an unreadable shard) surfaces before the run
         writes any file; train_batches yields it first."""
-        batches = iter(self.loader)
+        batches = self._shared(iter(self.loader))
         self._ahead = itertools.chain([next(batches)], batches)
+
+    def _shared(self, batches):
+        """The batches with the replica reader's tokens (as they are, when this rank reads for itself alone)."""
+        if self.replica is None or not self.replica.shares:
+            yield from batches
+            return
+        for batch in batches:
+            yield {**batch, "tokens": self.replica.share(batch["tokens"])}
+
+    @property
+    def rows_read(self) -> int:
+        """Training rows this rank has read from the shards (0 on a replica's ranks that receive them)."""
+        return self.loader.dataset.rows_read
 
     def val_batches(self) -> list[dict]:
         """Up to data.val_batches global batches of micro_batch_size x dp rows; padding rows get label -100. None
@@ -74,6 +94,8 @@ class ShardData:
         close = getattr(self.loader, "close", None)
         if close is not None:
             close()
+        if self.replica is not None:
+            self.replica.close()
 
 
 def rank_selection(cfg: Config, dp_rank: int, dp_size: int):
@@ -82,18 +104,33 @@ def rank_selection(cfg: Config, dp_rank: int, dp_size: int):
     if dp_size == 1 or (cfg.dp_balance == "rows" and not cfg.train.bucket_depths):
         return None
     from megaloop.depth import make_sampler
-    from megaloop.depth.balance import deal_by_depth, deal_by_rows
+    from megaloop.depth.balance import deal_by_depth, deal_by_rows, row_costs
+    from megaloop.train.flops import FlopModel
 
     m = cfg.model
     sampler = make_sampler(m.depth_sampler, m.mu_rec, m.backprop_depth, seed=cfg.train.seed)
     by_depth, micro = cfg.dp_balance == "depth", cfg.data.micro_batch_size
+    coefficients = FlopModel.of(m).integer_coefficients()
 
     def select(step: int, sample_indices):
-        depths = sampler.sample(step, sample_indices).T.numpy()
-        ranks = deal_by_depth(depths, dp_size) if by_depth else deal_by_rows(depths, dp_size, micro)
+        sample = sampler.sample(step, sample_indices)
+        depths = sample.T.numpy()
+        if by_depth:
+            ranks = deal_by_depth(depths, dp_size, row_costs(sample.n.numpy(), sample.k.numpy(), *coefficients))
+        else:
+            ranks = deal_by_rows(depths, dp_size, micro)
         return ranks[dp_rank]
 
     return select
+
+
+def _replica_reader(layout):
+    """The ReplicaReader of a tensor- or pipeline-parallel layout, else None (this rank reads its own rows)."""
+    if layout is None or (layout.tp == 1 and layout.pp == 1):
+        return None
+    from pipeline.replica_data import ReplicaReader
+
+    return ReplicaReader(layout)
 
 
 def _bytes_per_token(manifest: dict, split: str) -> float | None:
@@ -110,9 +147,11 @@ def pin_batches(device) -> bool:
     return device is not None and pins(device)
 
 
-def open_data(cfg: Config, dp_rank: int, dp_size: int, device=None) -> ShardData:
-    """The run's data for data-parallel rank dp_rank of dp_size; `device`: where the batches go (pin_batches)."""
+def open_data(cfg: Config, dp_rank: int, dp_size: int, layout=None, device=None) -> ShardData:
+    """The run's data for data-parallel rank dp_rank of dp_size; `layout` (the runtime's
+    pipeline.layout.ParallelLayout, if any) makes one rank per data-parallel replica read the rows; `device`: where
+    the batches go (pin_batches)."""
     if cfg.data.shards is None:
         raise ConfigError("data.shards", None, "set it to a directory written by `python -m data_prep shards` "
                           "(e.g. --set data.shards=runs/quickstart/shards)")
-    return ShardData(cfg, dp_rank, dp_size, pin=pin_batches(device))
+    return ShardData(cfg, dp_rank, dp_size, layout, pin=pin_batches(device))

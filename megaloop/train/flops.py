@@ -52,6 +52,11 @@ class FlopModel:
             step_grad=6 * n_loop + attn * 12 * d * s * layers_core,
         )
 
+    def integer_coefficients(self) -> tuple[int, int, int]:
+        """(non_loop, step_nograd, step_grad) as integers (they are whole numbers of FLOPs per token: parameter
+        counts and d * S * layers times even factors), for exact per-row costs (megaloop.depth.balance.row_costs)."""
+        return tuple(int(round(c)) for c in (self.non_loop, self.step_nograd, self.step_grad))
+
     def per_token(self, n: float, k: float) -> float:
         return self.non_loop + n * self.step_nograd + k * self.step_grad
 

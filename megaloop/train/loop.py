@@ -84,7 +84,7 @@ def train(cfg: Config, runtime=None) -> RunSummary:
     owns_runtime = runtime is None
     runtime = runtime or make_runtime(cfg, device)
     out_dir = Path(cfg.train.out_dir)
-    data = open_data(cfg, runtime.dp_rank, runtime.dp_size, device)  # fails early on bad data, before the model
+    data = open_data(cfg, runtime.dp_rank, runtime.dp_size, getattr(runtime, "layout", None), device)  # fails early
     model, optimizer = build_model_and_optimizer(cfg, runtime, device, choice.native_bf16)
     data.prepare_ahead(schedule_ahead(cfg, runtime, model))  # a ring schedule made in the prefetch thread
     ckpt = RunCheckpoints(cfg, runtime)
@@ -270,7 +270,7 @@ def _train_record(step, stats, figures, t_data, dt, summary, optimizer, guard: P
         "tokens_per_s": tokens / dt, "rho_A": tel["rho_A"], "state_norm": tel["state_norm"],
         "recurrent_residual": tel["recurrent_residual"], "mean_depth": figures.mean_depth,
         "executed_depth": figures.executed_depth, "idle_fraction": figures.idle_fraction,
-        "useful_flops": useful, "executed_flops": executed,
+        "idle_fraction_loop": figures.idle_fraction_loop, "useful_flops": useful, "executed_flops": executed,
         "mfu": mfu, "hfu": hfu,
         "time_data": t_data, "time_forward": stats.times["forward"], "time_backward": stats.times["backward"],
         "time_optimizer": stats.times["optimizer"], "time_step": dt,

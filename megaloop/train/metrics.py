@@ -17,7 +17,7 @@ TRAIN_FIELDS = {
     "kind": str, "step": int, "loss": NUMBER, "lr": NUMBER, "grad_norm": NUMBER, "skipped": bool,
     "skipped_total": int, "tokens": int, "tokens_per_s": NUMBER, "rho_A": NUMBER, "state_norm": NUMBER,
     "recurrent_residual": NUMBER, "mean_depth": NUMBER, "executed_depth": NUMBER, "idle_fraction": NUMBER,
-    "useful_flops": NUMBER,
+    "idle_fraction_loop": NUMBER, "useful_flops": NUMBER,
     "executed_flops": NUMBER, "mfu": NUMBER, "hfu": NUMBER, "time_data": NUMBER, "time_forward": NUMBER,
     "time_backward": NUMBER, "time_optimizer": NUMBER, "time_step": NUMBER,
 }

@@ -204,24 +204,28 @@ class StepFigures:
     executed_flops: float
     mean_depth: float
     executed_depth: float
-    idle_fraction: float
+    idle_fraction: float  # FLOP-weighted: 1 - useful FLOPs / (dp x the busiest dp rank's executed FLOPs)
+    idle_fraction_loop: float  # the same over core passes only (the figure logged before FLOP weighting)
     telemetry: dict
     stop_code: int  # 0: go on; 1: some rank had a signal; 2: some rank ran out of time (and none had a signal)
 
 
 def pack(stats: StepStats, flop_model: FlopModel, seq: int, dp_rank: int, dp_size: int, stop_code: int,
          device) -> torch.Tensor:
-    """[loss_sum, TELEMETRY..., core passes of dp rank 0..dp-1 (this rank's slot only), HOST_SUMS..., ranks
-    stopping by code 1, by code 2] as one float64 vector on `device`."""
+    """[loss_sum, TELEMETRY..., core passes of dp rank 0..dp-1 (this rank's slot only), HOST_SUMS..., executed
+    FLOPs of dp rank 0..dp-1 (this rank's slot only), ranks stopping by code 1, by code 2] as one float64 vector
+    on `device`."""
     stats.host["executed_flops"] = _executed_flops(stats, flop_model, seq)
     zero = torch.zeros((), dtype=torch.float64, device=device)
     host = [stats.host[name] for name in HOST_SUMS]
     parts = [zero + stats.loss_sum, *(zero + stats.telemetry.get(name, float("nan")) for name in TELEMETRY)]
     slots = [zero] * dp_size
     slots[dp_rank] = zero + stats.core_rows
+    flop_slots = [0.0] * dp_size
+    flop_slots[dp_rank] = stats.host["executed_flops"]
     stops = [float(stop_code == code) for code in range(1, STOP_CODES + 1)]
     return torch.cat([torch.stack(parts + slots),
-                      to_device(torch.tensor(host + stops, dtype=torch.float64), device)])
+                      to_device(torch.tensor(host + flop_slots + stops, dtype=torch.float64), device)])
 
 
 def _executed_flops(stats: StepStats, flop_model: FlopModel, seq: int) -> float:
@@ -245,13 +249,15 @@ def reduce_step(stats: StepStats, runtime, flop_model: FlopModel, seq: int, stop
     # from every stage of a dp rank alike
     loss_sum, tel = total[0] / tp, [v / tp for v in total[1:1 + n_tel]]
     rank_core_rows = [v / copies for v in total[1 + n_tel:1 + n_tel + dp]]
-    host = dict(zip(HOST_SUMS, [v / copies for v in total[1 + n_tel + dp:-STOP_CODES]]))
+    host = dict(zip(HOST_SUMS, [v / copies for v in total[1 + n_tel + dp:1 + n_tel + dp + len(HOST_SUMS)]]))
+    rank_flops = [v / copies for v in total[1 + n_tel + dp + len(HOST_SUMS):-STOP_CODES]]
     stops = total[-STOP_CODES:]
     tokens, sequences = int(round(host["tokens"])), max(int(round(host["sequences"])), 1)
     return StepFigures(
         loss=loss_sum / max(tokens, 1), tokens=tokens, sequences=sequences, useful_flops=host["useful_flops"],
         executed_flops=host["executed_flops"], mean_depth=host["depth_sum"] / sequences,
         executed_depth=sum(rank_core_rows) / sequences,
-        idle_fraction=idle_fraction(host["depth_sum"], rank_core_rows),
+        idle_fraction=idle_fraction(host["useful_flops"], rank_flops),
+        idle_fraction_loop=idle_fraction(host["depth_sum"], rank_core_rows),
         telemetry={name: v / sequences for name, v in zip(TELEMETRY, tel)},
         stop_code=1 if stops[0] > 0 else 2 if stops[1] > 0 else 0)

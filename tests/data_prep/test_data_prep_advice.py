@@ -229,3 +229,29 @@ def test_a_damaged_tokenizer_is_trained_again_as_told(made, tmp_path, capsys, da
     assert "re-train the tokenizer" in advice or "`python -m data_prep tokenizer`" in advice, advice
     assert main(tokenizer_args(made, tmp_path / "tok", "--overwrite")) == 0  # re-trained, over the damage
     assert main(argv) == 0
+
+
+def test_shards_without_member_offsets_are_reindexed_as_the_refusal_says(made, tmp_path, capsys):
+    """A manifest of format version 1 (no member offsets) is refused with a command; running that command rewrites
+    the manifest to exactly what `shards` writes today, and the loader then reads the same rows."""
+    import json
+
+    from data_prep.loader import ShardLoader
+
+    shutil.copytree(made / "shards", tmp_path / "s")
+    path = tmp_path / "s" / "manifest.json"
+    written = path.read_bytes()
+    old = json.loads(written)
+    old["format_version"] = 1
+    for split in old["splits"].values():
+        for entry in split["shards"]:
+            del entry["data_offset"], entry["stride"]
+    path.write_text(json.dumps(old))
+    advice = refused(capsys, ["inspect", str(tmp_path / "s"), "--quiet"])
+    command = re.search(r"`python -m data_prep (reindex [^`]*)`", advice).group(1).split()
+    assert main(command) == 0 and path.read_bytes() == written
+    assert main(command) == 0 and "nothing to do" in capsys.readouterr().out
+    assert main(["inspect", str(tmp_path / "s"), "--quiet"]) == 0
+    loader = ShardLoader(tmp_path / "s", 4, prefetch=0)
+    again = ShardLoader(made / "shards", 4, prefetch=0)
+    assert loader.batch(3)["tokens"].equal(again.batch(3)["tokens"])

@@ -97,13 +97,36 @@ def test_plain_tar_lists_and_extracts_the_rows(small_shards, tmp_path):
         assert loaded.dtype == np.uint16 and np.array_equal(loaded, rows[shard["first_row"] + i])
 
 
+def test_member_offsets_in_the_manifest_are_the_tar_offsets_and_reading_scans_no_tar(small_shards, monkeypatch):
+    from data_prep.reindex import scan_members
+
+    manifest = read_manifest(small_shards)
+    header = len(npy_header(manifest["dtype"], manifest["row_len"]))
+    for entry in manifest["splits"]["train"]["shards"][:2] + manifest["splits"]["val"]["shards"][-1:]:
+        _, offsets, _ = scan_members(small_shards / entry["name"], entry)
+        assert (offsets + header == entry["data_offset"] + entry["stride"] * np.arange(entry["rows"])).all()
+    first = manifest["splits"]["train"]["shards"][0]
+    with tarfile.open(small_shards / first["name"]) as archive:
+        expected = np.stack([np.load(io.BytesIO(archive.extractfile(m).read())) for m in archive])
+
+    def no_scan(*args, **kwargs):
+        raise AssertionError("a reader opened the tar archive")
+
+    monkeypatch.setattr(tarfile, "open", no_scan)
+    dataset = ShardDataset(small_shards, verify="none")
+    assert np.array_equal(dataset.read_rows(np.arange(first["rows"])), expected)
+    assert dataset.read_rows(np.arange(len(dataset))).shape == (manifest["splits"]["train"]["rows"], SEQ_LEN + 1)
+
+
 def test_plain_webdataset_reads_every_row(small_shards):
+    """The pinned `webdataset` library reads our shards as they are: every row, in order, keyed by its row id (the
+    member name without .npy), the same bytes as the loader's."""
     script = textwrap.dedent("""
         import glob, hashlib, sys, numpy as np, webdataset as wds
         urls = sorted(glob.glob(sys.argv[1] + "/train-*.tar"))
         digest, count = hashlib.sha256(), 0
         for sample in wds.WebDataset(urls, shardshuffle=False).decode():
-            assert sample["npy"].dtype == np.uint16
+            assert sample["npy"].dtype == np.uint16 and sample["__key__"] == f"{count:010d}", sample["__key__"]
             digest.update(sample["npy"].tobytes()); count += 1
         print(count, digest.hexdigest())
     """)

@@ -3,13 +3,14 @@ exhaustive optimum on small cases and the simulated idle_fraction on the project
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from benchmarks.dp_balance import optimal_busiest, simulate
 from megaloop.depth import make_sampler
-from megaloop.depth.balance import deal_by_depth, deal_by_rows, idle_fraction, split_rank_rows
+from megaloop.depth.balance import deal_by_depth, deal_by_rows, idle_fraction, row_costs, split_rank_rows
 
 
 def _depths(step: int, batch: int) -> np.ndarray:
@@ -51,6 +52,33 @@ def test_busiest_rank_is_near_the_exhaustive_optimum(seed):
     assert best == brute
     got = max(int(depths[r].sum()) for r in deal_by_depth(depths, 3))
     assert best <= got <= best + 2, (depths.tolist(), got, best)
+
+
+def test_row_costs_by_hand_and_dealing_by_them():
+    # non-loop 10, a lap without gradient 2, with gradient 7 (FLOPs per token, say)
+    assert row_costs([0, 2, 5], [1, 3, 3], 10, 2, 7).tolist() == [17, 35, 41]
+    # by loop passes alone {6} | {1 x 6} is perfect, but each row also costs 10 outside the loop: 16 against 66
+    depths = np.array([6, 1, 1, 1, 1, 1, 1])
+    costs = row_costs(depths * 0, depths, 10, 0, 1)
+    by_depth = max(int(costs[r].sum()) for r in deal_by_depth(depths, 2))
+    by_cost = max(int(costs[r].sum()) for r in deal_by_depth(depths, 2, costs))
+    brute = min(max(np.bincount(owner, weights=costs, minlength=2))
+                for owner in itertools.product(range(2), repeat=len(costs)))
+    assert (by_depth, by_cost, brute) == (66, 44, 44)
+    assert idle_fraction(int(costs.sum()), [16, 66]) == pytest.approx(1 - 82 / 132)
+
+
+def test_integer_flop_coefficients_are_the_flop_model():
+    from megaloop.config import load_config
+    from megaloop.train.flops import FlopModel
+
+    for name in ("parcae-tiny", "parcae-1_3b"):
+        model = load_config(Path(__file__).resolve().parents[2] / "configs" / f"{name}.yaml").model
+        flops = FlopModel.of(model)
+        ints = flops.integer_coefficients()
+        assert ints == (flops.non_loop, flops.step_nograd, flops.step_grad)
+        n, k = np.array([3, 0, 7]), np.array([2, 1, 2])
+        assert row_costs(n, k, *ints).tolist() == [flops.per_token(a, b) for a, b in zip(n, k)]
 
 
 def test_rows_dealing_gives_equal_counts():

@@ -1,7 +1,8 @@
-"""Depth-balanced data parallelism in the trainer: dp4 with sequences dealt by loop work (ranks holding different
-numbers of rows and micro-batches) gives the single-process per-step losses in fp64 within 1e-12, and the logged
-idle_fraction is the one computed independently from the sampler's depths and the dealing (the model's measured
-core passes equal the sum of each rank's depths under the ragged loop)."""
+"""Depth-balanced data parallelism in the trainer: dp4 with sequences dealt by their FLOP cost (ranks holding
+different numbers of rows and micro-batches) gives the single-process per-step losses in fp64 within 1e-12, and the
+logged idle fractions are the ones computed independently from the sampler's depths and the dealing: idle_fraction
+over FLOPs, idle_fraction_loop over core passes (the model's measured core passes equal the sum of each rank's
+depths under the ragged loop)."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,8 @@ import torch
 
 from megaloop.config import load_config
 from megaloop.depth import make_sampler
-from megaloop.depth.balance import deal_by_depth, idle_fraction
+from megaloop.depth.balance import deal_by_depth, idle_fraction, row_costs
+from megaloop.train.flops import FlopModel
 from tests.pipeline.spawn import spawn
 from tests.pipeline.workers_train import ReferenceRuntime, run, worker
 
@@ -30,16 +32,19 @@ def overrides(shards, out_dir, dp: int) -> list[str]:
             "parallel.dp_balance=depth"]
 
 
-def expected_idle(cfg) -> list[float]:
-    """idle_fraction per step from the depths of each global batch and the dealing alone."""
+def expected_idle(cfg) -> tuple[list[float], list[float]]:
+    """(FLOP-weighted, loop-pass) idle_fraction per step from the depths of each global batch and the dealing."""
     m = cfg.model
     sampler = make_sampler(m.depth_sampler, m.mu_rec, m.backprop_depth, seed=cfg.train.seed)
-    out = []
+    flops, loop = [], []
     for step in range(STEPS):
-        depths = sampler.sample(step, np.arange(step * GLOBAL, (step + 1) * GLOBAL)).T.numpy()
-        work = [int(depths[r].sum()) for r in deal_by_depth(depths, DP)]
-        out.append(idle_fraction(int(depths.sum()), work))
-    return out
+        sample = sampler.sample(step, np.arange(step * GLOBAL, (step + 1) * GLOBAL))
+        depths = sample.T.numpy()
+        costs = row_costs(sample.n.numpy(), sample.k.numpy(), *FlopModel.of(m).integer_coefficients())
+        ranks = deal_by_depth(depths, DP, costs)
+        flops.append(idle_fraction(int(costs.sum()), [int(costs[r].sum()) for r in ranks]))
+        loop.append(idle_fraction(int(depths.sum()), [int(depths[r].sum()) for r in ranks]))
+    return flops, loop
 
 
 @pytest.mark.multiproc
@@ -50,12 +55,14 @@ def test_dp4_depth_balanced_equals_one_process(tiny_shards, tmp_path):
     got = torch.load(tmp_path / "runs.pt")["dp4"]
     records = [json.loads(line) for line in (tmp_path / "dp4" / "metrics.jsonl").read_text().splitlines()]
     logged_idle = [r["idle_fraction"] for r in records if r["kind"] == "train"]
+    logged_loop = [r["idle_fraction_loop"] for r in records if r["kind"] == "train"]
     worst = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"]))
     print(f"dp4 depth-balanced fp64: losses {got['losses']}, worst rel err vs one process {worst:.1e}; logged "
           f"idle_fraction {[round(v, 4) for v in logged_idle]}")
     assert len(got["losses"]) == len(ref["losses"]) == STEPS
     assert worst <= TOL
     cfg = load_config(TINY, overrides(tiny_shards, tmp_path / "dp4", DP))
-    assert logged_idle == pytest.approx(expected_idle(cfg), abs=1e-12)
+    flops, loop = expected_idle(cfg)
+    assert logged_idle == pytest.approx(flops, abs=1e-12) and logged_loop == pytest.approx(loop, abs=1e-12)
     single = [json.loads(line) for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
-    assert all(r["idle_fraction"] == 0.0 for r in single if r["kind"] == "train")
+    assert all(r["idle_fraction"] == r["idle_fraction_loop"] == 0.0 for r in single if r["kind"] == "train")
