@@ -6,6 +6,7 @@ error stopped it."""
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 HELP = ("run every communication path (tp2 x dp and pp2 x dp training steps against one process, the ring pipeline "
@@ -97,7 +98,8 @@ def launch(args) -> int:
                         *worker_argv(args)]))
     except ChildFailedError as err:
         codes = sorted({failure.exitcode for failure in err.failures.values()})
-        if codes == [FAILED_EXIT_CODE]:
+        # the agent ends the other workers (SIGTERM) as soon as the first one exits: they had all finished
+        if FAILED_EXIT_CODE in codes and set(codes) <= {FAILED_EXIT_CODE, -signal.SIGTERM}:
             print("megaloop preflight: FAILED (see the paths marked FAIL above)", file=sys.stderr, flush=True)
             return FAILED_EXIT_CODE
         print(f"megaloop preflight: a worker stopped with an error (exit codes {codes}; the error is above)",

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-FAULT_ENV = "MEGALOOP_PREFLIGHT_FAULT"  # a path name: that path's distributed run is perturbed (tests prove FAIL)
+FAULT_ENV = "MEGALOOP_PREFLIGHT_FAULT"  # path names (comma list): their runs are perturbed, to show they can FAIL
 CPU_TOL = 1e-12  # fp64 on CPU: a layout equals one process to rounding
 GPU_LOSS_TOL = 2e-2  # bf16 on GPU: relative loss error after a few steps
 GPU_PARAM_TOL = 5e-2  # bf16 on GPU: per-array max |a - b| / max |b|
@@ -47,7 +47,7 @@ class Context:
         return GPU_PARAM_TOL if self.on_gpu else CPU_TOL
 
     def faulty(self, path: str) -> bool:
-        return os.environ.get(FAULT_ENV) == path
+        return path in os.environ.get(FAULT_ENV, "").split(",")
 
     def spans_nodes(self, ranks) -> bool:
         return len({self.hosts[r] for r in ranks}) > 1

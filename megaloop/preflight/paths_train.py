@@ -14,7 +14,7 @@ from megaloop.preflight.bandwidth import bus_bandwidth, expected_rate
 from megaloop.preflight.context import Context
 from megaloop.preflight.report import PathResult
 
-STEPS = 3
+STEPS = 2  # the second step runs on optimizer state (momenta, moments) the first one made
 MICRO = 2
 MODEL = ["model.arch=parcae", "model.vocab_size=512", "model.d_model=64", "model.n_heads=2", "model.n_prelude=1",
          "model.n_core=2", "model.n_coda=1", "model.seq_len=32", "model.mu_rec=2", "model.mu_bwd=1",
