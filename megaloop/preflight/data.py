@@ -9,7 +9,7 @@ SEQ_LEN = 32
 VOCAB = 512
 
 
-def make_corpus(folder: Path, documents: int = 8, words_per_document: int = 3000) -> None:
+def make_corpus(folder: Path, documents: int = 16, words_per_document: int = 3000) -> None:
     rng = random.Random(0)
     words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8))) for _ in range(300)]
     folder.mkdir(parents=True, exist_ok=True)

@@ -41,13 +41,18 @@ def test_every_path_passes_on_four_cpu_processes():
 
 
 def test_a_perturbed_path_fails_with_exit_code_3():
-    done, report = preflight("--nproc-per-node", "2", "--only", "zero1,pp2_1p3b_messages", fault="zero1")
+    done, report = preflight("--nproc-per-node", "2", "--only", "zero1,dist_muon", fault="zero1")
     assert done.returncode == FAILED_EXIT_CODE, done.stdout[-3000:] + done.stderr[-3000:]
-    assert {p["name"]: p["status"] for p in report["paths"]} == {"zero1": "FAIL", "pp2_1p3b_messages": "PASS"}
+    assert {p["name"]: p["status"] for p in report["paths"]} == {"zero1": "FAIL", "dist_muon": "PASS"}
     assert "wrong elements" in report["paths"][0]["detail"]
     assert "megaloop preflight: FAILED" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_bad_options_are_one_line():
-    done, _ = preflight("--nproc-per-node", "3", timeout=120)
-    assert done.returncode == 2 and done.stderr.strip().count("\n") == 0 and "--nproc-per-node" in done.stderr
+@pytest.mark.parametrize("args, key", [(["--nproc-per-node", "3"], "--nproc-per-node"), (["--only", "tp4"], "--only"),
+                                       (["--min-bw-fraction", "2"], "--min-bw-fraction")])
+def test_bad_options_are_one_line(args, key, capsys):
+    from megaloop.__main__ import main
+
+    assert main(["preflight", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and key in err
