@@ -1,6 +1,6 @@
-"""A data-parallel checkpoint saved, resumed and compared: one run of 4 steps saving at step 2 and at its end, and
-a second run resumed from its step-2 checkpoint in another folder (checkpoint.resume) to step 4. Both final
-checkpoints and the losses of steps 3 and 4 must be identical bit for bit on CPU; on GPU they agree within bf16's
+"""A data-parallel checkpoint saved, resumed and compared: one run of 3 steps saving at step 2 and at its end, and
+a second run resumed from its step-2 checkpoint in another folder (checkpoint.resume) to step 3. Both final
+checkpoints and the loss of step 3 must be identical bit for bit on CPU; on GPU they agree within bf16's
 tolerance (bf16 kernels such as the embedding's and attention's backward accumulate in a nondeterministic order)."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from megaloop.preflight.context import Context
 from megaloop.preflight.paths_train import agree, compare_runs, numel, overrides, run_parallel
 from megaloop.preflight.report import PathResult
 
-STEPS, SAVED_AT = 4, 2
+STEPS, SAVED_AT = 3, 2
 
 
 def saved_at(root: Path, step: int) -> Path:
