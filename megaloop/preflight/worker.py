@@ -62,6 +62,7 @@ def run_worker(args) -> int:
     functions, results = path_functions(), []
     for index, name in enumerate(args.only, 1):
         ctx.barrier()
+        say(f"[{index}/{len(args.only)}] {name}: running (a hang here ends at --timeout)")
         try:
             result = functions[name](ctx)
         except Exception as err:
