@@ -39,6 +39,13 @@ class Context:
         return "bf16" if self.on_gpu else "fp64"
 
     @property
+    def compared_arrays(self) -> str:
+        """The checkpoint arrays runs are compared on: all of them in fp64 on CPU; the parameters in bf16 on GPU
+        (optimizer moments of near-zero gradients, e.g. AdamW's exp_avg_sq, differ relatively more than bf16's
+        tolerance says anything about)."""
+        return "model/" if self.on_gpu else ""
+
+    @property
     def loss_tol(self) -> float:
         return GPU_LOSS_TOL if self.on_gpu else CPU_TOL
 

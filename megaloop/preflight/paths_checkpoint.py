@@ -36,7 +36,7 @@ def checkpoint_dp(ctx: Context) -> PathResult:
     verdict = [None, None]
     if ctx.is_main:
         ok, detail = compare_runs(resumed.losses, whole.losses[SAVED_AT:], root / "resumed", root / "whole",
-                                  ctx.loss_tol, ctx.param_tol, bitwise=not ctx.on_gpu)
+                                  ctx.loss_tol, ctx.param_tol, bitwise=not ctx.on_gpu, prefix=ctx.compared_arrays)
         if resumed.start_step != SAVED_AT:
             ok, detail = False, f"the resumed run started at step {resumed.start_step}, not {SAVED_AT}; {detail}"
         verdict = [ok, f"dp{ctx.world}: resumed at step {SAVED_AT} of {STEPS}, {detail}"]

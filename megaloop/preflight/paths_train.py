@@ -52,12 +52,12 @@ def run_single(ctx: Context, args: list[str]):
     return train(load_config(None, single), runtime=SingleProcessRuntime(ctx.device))
 
 
-def final_arrays(out_dir: Path) -> dict[str, torch.Tensor]:
-    """Every global array of the run's newest committed checkpoint."""
+def final_arrays(out_dir: Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every global array (named `prefix`...) of the run's newest committed checkpoint."""
     from checkpoints.load import CheckpointReader, find_checkpoints
 
     reader = CheckpointReader(find_checkpoints(Path(out_dir) / "checkpoints")[0])
-    return {name: reader.read(name) for name in reader.arrays}
+    return {name: reader.read(name) for name in reader.arrays if name.startswith(prefix)}
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -66,9 +66,10 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def compare_runs(got_losses, ref_losses, got_dir: Path, ref_dir: Path, loss_tol: float, param_tol: float,
-                 bitwise: bool = False) -> tuple[bool, str]:
-    """Losses and final checkpoint arrays of two runs; bitwise: every array and loss identical."""
-    got, ref = final_arrays(got_dir), final_arrays(ref_dir)
+                 bitwise: bool = False, prefix: str = "") -> tuple[bool, str]:
+    """Losses and the final checkpoint arrays (those named `prefix`...) of two runs; bitwise: every array and loss
+    identical."""
+    got, ref = final_arrays(got_dir, prefix), final_arrays(ref_dir, prefix)
     if set(got) != set(ref) or len(got_losses) != len(ref_losses):
         return False, (f"the runs differ in shape: {len(got_losses)} against {len(ref_losses)} losses, arrays "
                        f"{sorted(set(got) ^ set(ref))[:3]} in one only")
@@ -94,7 +95,7 @@ def _against_single(ctx: Context, name: str, tp: int, pp: int, bw_kind: str, bw_
     if ctx.is_main:
         ref = run_single(ctx, overrides(ctx, root / "single", tp, pp))
         verdict = list(compare_runs(summary.losses, ref.losses, root / "parallel", root / "single", ctx.loss_tol,
-                                    ctx.param_tol))
+                                    ctx.param_tol, prefix=ctx.compared_arrays))
     layout = runtime.layout
     group, ranks = getattr(layout, f"{bw_group}_group"), getattr(layout, f"{bw_group}_ranks")
     ok, detail = agree(verdict)
