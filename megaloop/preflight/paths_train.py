@@ -75,9 +75,9 @@ def compare_runs(got_losses, ref_losses, got_dir: Path, ref_dir: Path, loss_tol:
                        f"{sorted(set(got) ^ set(ref))[:3]} in one only")
     if bitwise:
         same = [n for n in ref if torch.equal(got[n], ref[n])]
-        ok = len(same) == len(ref) and list(got_losses) == list(ref_losses)
-        return ok, (f"{len(same)}/{len(ref)} checkpoint arrays and {sum(a == b for a, b in zip(got_losses, ref_losses))}"
-                    f"/{len(ref_losses)} losses bit-identical")
+        equal_losses = sum(a == b for a, b in zip(got_losses, ref_losses))
+        ok = len(same) == len(ref) and equal_losses == len(ref_losses)
+        return ok, f"{len(same)}/{len(ref)} checkpoint arrays and {equal_losses}/{len(ref_losses)} losses bit-identical"
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(got_losses, ref_losses))
     worst = max(ref, key=lambda n: rel_err(got[n], ref[n]))
     param_err = rel_err(got[worst], ref[worst])
