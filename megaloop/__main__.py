@@ -1,5 +1,6 @@
-"""megaloop command line: `python -m megaloop train|check|flops|launch|plan CONFIG [--set key=value ...]`, and
-`python -m megaloop peak` (the CPU peak MFU divides by)."""
+"""megaloop command line: `python -m megaloop train|check|flops|launch|plan CONFIG [--set key=value ...]`,
+`python -m megaloop peak` (the CPU peak MFU divides by) and `python -m megaloop preflight` (every communication
+path of a job, checked and timed)."""
 from __future__ import annotations
 
 import argparse
@@ -30,6 +31,10 @@ def _parser() -> argparse.ArgumentParser:
     from megaloop.train import peak_cli
 
     peak_cli.add_arguments(sub.add_parser("peak", help=peak_cli.HELP, description=peak_cli.HELP))
+    from megaloop.preflight import cli as preflight_cli
+
+    preflight_cli.add_arguments(sub.add_parser("preflight", help=preflight_cli.HELP,
+                                               description=preflight_cli.HELP + ". " + preflight_cli.EXIT_CODES))
     return ap
 
 
@@ -70,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
             from megaloop.train.peak_cli import run_peak
 
             return run_peak(args)
+        if args.command == "preflight":
+            from megaloop.preflight.cli import run_preflight
+
+            return run_preflight(args)
         if args.command == "plan":
             from megaloop.plan.cli import run_plan
 

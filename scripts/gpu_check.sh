@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Every GPU-only check of megaloop in one run (meant for under 10 minutes on one GPU), printing its figures: the
-# trainer on CUDA in bf16 with a checkpoint written from GPU tensors through pinned host buffers and read back bit
-# for bit, the runtime's reductions on NCCL, and flash-attn against PyTorch's SDPA (when flash-attn is installed:
-# requirements-gpu.txt). Nothing is installed here: it uses .venv when present, else $PYTHON (default python3),
-# which must already have the packages of requirements.txt (with torch's CUDA build).
+# Every GPU-only check of megaloop in one run (meant for under 10 minutes on one GPU), printing its figures: a whole
+# training step compiled with flash-attn under CUDA's sync debug mode (no host sync in the micro-batch loops, at most
+# one in the step: tests/gpu/test_gpu_step_sync.py), the trainer on CUDA in bf16 with a checkpoint written from GPU
+# tensors through pinned host buffers and read back bit for bit, the runtime's reductions on NCCL, and flash-attn
+# against PyTorch's SDPA (when flash-attn is installed: requirements-gpu.txt). Nothing is installed here: it uses
+# .venv when present, else $PYTHON (default python3), which must already have the packages of requirements.txt (with
+# torch's CUDA build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -1,5 +1,6 @@
-"""`python -m slurm submit|sweep`: render a megaloop training job (or an isoFLOP job array) as an sbatch script,
-print it (--dry-run) or submit it and print the job id. Wrong values end with one line and exit code 2."""
+"""`python -m slurm submit|sweep|preflight`: render a megaloop training job (or an isoFLOP job array, or a preflight
+job checking the cluster's communication paths) as an sbatch script, print it (--dry-run) or submit it and print
+the job id. Wrong values end with one line and exit code 2."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from slurm import options, script, sweep
+from slurm import options, preflight, script, sweep
 from slurm.ask import FlopsError, check, costs
 from slurm.options import OptionError
 from slurm.spec import JobSpec, default_python
@@ -70,6 +71,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--mu-bwd", default="half", help="loop steps with gradient at each point: half (ceil(mu_rec/2), "
                                                      "default), config (the config's value) or an integer")
     s.add_argument("--array-parallel", type=int, help="run at most this many tasks at once (--array=0-K%%N)")
+    preflight.add_parser(sub)
     return ap
 
 
@@ -172,10 +174,31 @@ def _sbatch(path: Path, extra: list[str]) -> str:
     return done.stdout.strip().split(";")[0]
 
 
+def _preflight(args, argv: list[str]) -> int:
+    """Render the preflight job; print it (--dry-run) or write it to its folder's slurm/ and sbatch it."""
+    job = preflight.build(args, argv)
+    text = preflight.render(job)
+    if args.dry_run:
+        sys.stdout.write(text)
+        return 0
+    log_dir = Path(job["folder"]) / "slurm"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path = log_dir / f"preflight-{time.strftime('%Y%m%d-%H%M%S')}.sbatch"
+    path.write_text(text)
+    try:
+        print(_sbatch(path, []))
+    except RuntimeError:
+        path.unlink(missing_ok=True)
+        raise
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
     try:
+        if args.command == "preflight":
+            return _preflight(args, argv)
         spec = build_spec(args, argv)
         if args.command == "sweep":
             add_points(spec, args)
