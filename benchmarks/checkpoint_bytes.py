@@ -120,7 +120,8 @@ def held_bytes(model, optimizer) -> dict:
             "muon": nbytes(muon_ts)}
 
 
-def measure(rank: int, dp: int, config: str, root: str, overrides: list, block_kib: int, out: str) -> None:
+def measure(rank: int, dp: int, config: str, root: str, overrides: list, block_kib: int, out: str, code: str) -> None:
+    sys.path.insert(0, code)  # before anything of the repository is imported here
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(dp), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
@@ -184,15 +185,12 @@ def measure(rank: int, dp: int, config: str, root: str, overrides: list, block_k
 def run(dp: int, config: str, overrides: list[str], block_kib: int, code: Path | None = None) -> list[dict]:
     """Spawn dp ranks running `measure` with the code of `code` (default: this checkout); every rank's figures."""
     base = Path(tempfile.mkdtemp(prefix="ckpt-bytes-"))
-    first = str(code or REPO)
-    sys.path.insert(0, first)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     try:
-        mp.spawn(measure, args=(dp, config, str(base / "ckpt"), overrides, block_kib, str(base / "out.pt")),
-                 nprocs=dp, join=True)
+        mp.spawn(measure, args=(dp, config, str(base / "ckpt"), overrides, block_kib, str(base / "out.pt"),
+                                str(code or REPO)), nprocs=dp, join=True)
         return torch.load(base / "out.pt")
     finally:
-        sys.path.remove(first)
         shutil.rmtree(base, ignore_errors=True)
 
 
