@@ -106,14 +106,19 @@ def read_json(path: Path):
         return json.loads(f.read().decode("utf-8"))
 
 
-def poll(check, timeout_s: float, what: str):
-    """Call `check()` until it returns something truthy; TimeoutError after `timeout_s` seconds."""
+POLL_MAX_S = 1.0  # the slowest a wait on files polls (a shared file system serves every rank's metadata calls)
+
+
+def poll(check, timeout_s: float, what: str, max_delay_s: float = POLL_MAX_S):
+    """Call `check()` until it returns something truthy, waiting twice as long after each miss (1 ms up to
+    `max_delay_s`: a quick answer when the event is near, one call a second while it is far); TimeoutError after
+    `timeout_s` seconds."""
     deadline, delay = time.monotonic() + timeout_s, 0.001
     while not (result := check()):
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.05)
+        time.sleep(min(delay, max(0.0, deadline - time.monotonic()) + 0.001))
+        delay = min(delay * 2, max_delay_s)
     return result
 
 

@@ -1,7 +1,8 @@
 """Who writes what: the plan every rank computes from the gathered declarations.
 
 Each rank declares its regions as ``(name, global_shape, dtype, offsets, shape)``. From the list of every rank's
-declarations (identical on all ranks after one all_gather_object) :func:`make_plan` derives, deterministically:
+declarations (gathered on rank 0, which hands each rank its :meth:`SavePlan.part_of`) :func:`make_plan` derives,
+deterministically:
 
 * per array, its distinct regions; they must tile the array as a regular grid of equal blocks, and that block is
   the zarr chunk shape, so every writer owns whole chunks (zarr loses concurrent updates inside one chunk);
@@ -47,6 +48,15 @@ class SavePlan:
     def regions_of(self, rank: int) -> list[tuple[str, tuple[int, ...]]]:
         """(array name, offsets) of every chunk `rank` writes, in a stable order."""
         return [(a.name, off) for a in self.arrays.values() for off, r in sorted(a.writers.items()) if r == rank]
+
+    def part_of(self, rank: int) -> "SavePlan":
+        """The plan restricted to the chunks `rank` writes (all another rank needs to write its part)."""
+        arrays = {}
+        for name, a in self.arrays.items():
+            mine = {off: r for off, r in a.writers.items() if r == rank}
+            if mine:
+                arrays[name] = ArrayPlan(a.name, a.shape, a.dtype, a.chunks, mine)
+        return SavePlan(arrays, self.world_size)
 
     def bytes_of(self, rank: int) -> int:
         return sum(a.chunk_nbytes for a in self.arrays.values() for r in a.writers.values() if r == rank)

@@ -1,15 +1,18 @@
 """Sharded checkpoint saving: every rank calls :meth:`Checkpointer.save` at the same step.
 
 Assumption: every rank sees `root` on one shared file system (NFS, Lustre, GPFS, or one machine's disk) with
-POSIX rename/replace semantics, and ranks coordinate only through `all_gather_object` (one call per save, on the
-training thread) and marker files under `root`; this module never creates or uses a process group itself.
+POSIX rename/replace semantics, and ranks coordinate only through a gather to rank 0 and a scatter from it (one of
+each per save, on the training thread; both can be made of one `all_gather_object`) and marker files under `root`;
+this module never creates or uses a process group itself.
 
 Protocol of one save (the training thread pays only for steps 1-3):
 
 1. wait for the previous save (its SaveResult is kept for :meth:`Checkpointer.take_results`);
 2. snapshot: copy every piece to CPU, so training may change its tensors at once (``stall_s``);
-3. one all_gather_object of each rank's declarations (+ rank 0's random token); every rank computes the same
-   plan (:mod:`checkpoints.plan`): chunk shape per array and which rank writes each chunk (replicas once);
+3. rank 0 gathers every rank's declarations, makes the plan (:mod:`checkpoints.plan`: chunk shape per array and
+   which rank writes each chunk, replicas once) and scatters to each rank only its part of it (the arrays and chunks
+   it writes) with rank 0's random token, or the reason the save is refused; no rank but 0 ever holds the others'
+   declarations (at 128 ranks that is world x pieces objects, which an all-gather would hand every rank);
 4. background thread: write this rank's part into ``step_XXXXXXXX.tmp-<token>`` (:mod:`checkpoints.writer`);
 5. rank 0 only: commit once every rank recorded its part (:mod:`checkpoints.commit`).
 
@@ -56,15 +59,21 @@ class SaveResult:
 class Checkpointer:
     def __init__(self, root, *, rank: int = 0, world_size: int = 1, all_gather_object: Callable | None = None,
                  keep: int = 2, async_save: bool = True, commit_timeout_s: float = 600.0,
-                 file_writer: Callable | None = None):
-        if all_gather_object is None and world_size != 1:
-            raise ValueError(f"world_size={world_size} needs all_gather_object (e.g. a wrapper of "
-                             "torch.distributed.all_gather_object); only a world of 1 can do without")
+                 file_writer: Callable | None = None, gather_object: Callable | None = None,
+                 scatter_object: Callable | None = None):
+        """gather_object(obj) returns every rank's obj on rank 0 (None elsewhere) and scatter_object(objs) returns
+        objs[rank] of the list rank 0 gave (e.g. torch.distributed.gather_object / scatter_object_list); without
+        them both are made of all_gather_object (simpler, but it hands every rank everything)."""
+        if world_size != 1 and all_gather_object is None and (gather_object is None or scatter_object is None):
+            raise ValueError(f"world_size={world_size} needs gather_object and scatter_object, or all_gather_object "
+                             "(e.g. wrappers of torch.distributed's); only a world of 1 can do without")
         if keep < 1:
             raise ValueError(f"keep={keep}: keep at least the newest checkpoint (keep >= 1)")
         self.root = Path(root)
         self.rank, self.world_size, self.keep = rank, world_size, keep
-        self.all_gather_object = all_gather_object or (lambda obj: [obj])
+        all_gather = all_gather_object or (lambda obj: [obj])
+        self.gather_object = gather_object or (lambda obj: (lambda got: got if rank == 0 else None)(all_gather(obj)))
+        self.scatter_object = scatter_object or (lambda objs: all_gather(objs)[0][rank])
         self.async_save, self.commit_timeout_s = async_save, commit_timeout_s
         self.file_writer = file_writer or files.write_file
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ckpt-rank{rank}")
@@ -75,21 +84,21 @@ class Checkpointer:
         self._last: SaveResult | None = None
         self._lock = threading.Lock()
 
-    def save(self, step: int, pieces: list[Piece], metadata: dict) -> None:
+    def save(self, step: int, pieces: list[Piece], metadata: dict, refuse: str | None = None) -> None:
         """Snapshot `pieces`, agree on the plan with the other ranks, and write in the background (or now, when
-        async_save is False). Raises ValueError (on every rank alike) for declarations that cannot be stored."""
+        async_save is False). Raises ValueError (on every rank alike) for declarations that cannot be stored, or
+        when a rank gives a reason to `refuse` the save (e.g. its metadata failed the caller's check)."""
         self.wait()
         t0 = time.perf_counter()
         self._wait_prepared()
-        local_error = _check_local(pieces, metadata if self.rank == 0 else {})
-        token = os.urandom(8).hex()
-        plan, gathered = self._agree(pieces, local_error, token)
+        local_error = refuse or _check_local(pieces, metadata if self.rank == 0 else {})
+        plan, token = self._agree(pieces, local_error, os.urandom(8).hex())
         mine = self._mine(plan, pieces)  # replicas that another rank writes are not copied
         # a synchronous save writes before training goes on: CPU tensors are written in place, without a copy
         tensors = (self._buffers.snapshot(mine) if self.async_save else
                    {_key(p): p.tensor.detach().to("cpu").contiguous() for p in mine})
         meta = json.loads(json.dumps(metadata)) if self.rank == 0 else {}  # a copy: the caller may change it
-        job = WriteJob(self.root, step, gathered[0]["token"], self.rank, self.world_size, plan, tensors,
+        job = WriteJob(self.root, step, token, self.rank, self.world_size, plan, tensors,
                        meta, self.file_writer, self.commit_timeout_s)
         stall = time.perf_counter() - t0
         if self.async_save:
@@ -98,13 +107,23 @@ class Checkpointer:
             self._finish(self._run(job, stall))
 
     def _agree(self, pieces: list[Piece], local_error: str | None, token: str):
-        """The one gather of a save: every rank's declarations (+ rank 0's token) -> the same plan on every rank."""
-        gathered = self.all_gather_object({"decls": [] if local_error else declare(pieces), "token": token,
-                                           "error": local_error})
-        errors = [f"rank {r}: {g['error']}" for r, g in enumerate(gathered) if g["error"]]
-        if errors:
-            raise ValueError("checkpoint save refused: " + "; ".join(errors))
-        return make_plan([g["decls"] for g in gathered]), gathered
+        """The gather and scatter of a save: every rank's declarations to rank 0, which plans; back to each rank its
+        part of the plan (rank 0 keeps the whole, to lay the arrays out) and rank 0's token. (plan, token)."""
+        gathered = self.gather_object({"decls": [] if local_error else declare(pieces), "error": local_error})
+        replies = None
+        if self.rank == 0:
+            plan, error = None, "; ".join(f"rank {r}: {g['error']}" for r, g in enumerate(gathered) if g["error"])
+            if not error:
+                try:
+                    plan = make_plan([g["decls"] for g in gathered])
+                except ValueError as exc:
+                    error = str(exc)
+            replies = [{"error": error, "token": token, "plan": plan if r == 0 or plan is None else plan.part_of(r)}
+                       for r in range(self.world_size)]
+        reply = self.scatter_object(replies)
+        if reply["error"]:
+            raise ValueError("checkpoint save refused: " + reply["error"])
+        return reply["plan"], reply["token"]
 
     def _mine(self, plan, pieces: list[Piece]) -> list[Piece]:
         """The pieces this rank writes under `plan` (a piece is one chunk-grid region)."""

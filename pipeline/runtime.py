@@ -210,6 +210,22 @@ class ParallelRuntime:
         dist.all_gather_object(out, obj)
         return out
 
+    def gather_object(self, obj, dst: int = 0) -> list | None:
+        """Every rank's `obj` on rank `dst` (rank order), None on the others: only `dst` holds them all."""
+        if not dist.is_initialized():
+            return [obj]
+        out = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+        dist.gather_object(obj, out, dst=dst)
+        return out
+
+    def scatter_object(self, objs: list | None, src: int = 0):
+        """objs[r] (the list rank `src` gives; the others pass None) on each rank r."""
+        if not dist.is_initialized():
+            return objs[0]
+        out = [None]
+        dist.scatter_object_list(out, objs if dist.get_rank() == src else None, src=src)
+        return out[0]
+
     # ---- layout facts for layout-free checkpoints ------------------------------------------------------------
     tp_rank = property(lambda self: self.layout.tp_rank)
 

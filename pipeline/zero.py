@@ -12,9 +12,10 @@ Difference from torch's AdamW over the parameter list: a parameter without a gra
 zero gradient (its moments still decay) instead of being skipped; every parameter of the looped LM gets a gradient
 every step.
 
-Checkpoints see layout-free state (:meth:`ZeroAdamW.sharded_state`): per parameter, exp_avg and exp_avg_sq shaped like
-the parameter (this rank's tensor-parallel shard of it), assembled by one all-gather of each chunk-shaped moment over
-dp, so a checkpoint saved at one dp size loads at any other (:meth:`ZeroAdamW.load_sharded_state` takes its runs).
+Checkpoints see layout-free state (:meth:`ZeroAdamW.sharded_state`): per parameter, exp_avg and exp_avg_sq of the
+parameter's shape (this rank's tensor-parallel shard of it). Sharded over dp, each rank hands out only blocks of rows
+it updates and reads back only the rows of its runs (:mod:`pipeline.zero_state`: no all-gather at save, 1/dp of the
+moments read at load), so a checkpoint saved at one dp size loads at any other.
 """
 from __future__ import annotations
 
@@ -88,14 +89,31 @@ class ZeroAdamW(torch.optim.Optimizer):
     # ---- layout-free state for checkpoints ------------------------------------------------------------------
     MOMENTS = ("exp_avg", "exp_avg_sq")
 
+    def adamw_params(self):
+        """(flat group, [(index in the group, parameter)]) of every dtype group holding AdamW parameters."""
+        return list(self._flat_groups())
+
+    def run_state(self, group, start: int, stop: int, moment: str) -> torch.Tensor:
+        """The view of `moment` over flat elements [start, stop) of `group`, which must lie in one of this rank's
+        runs."""
+        for g, a, b, master in self.masters:
+            if g is group and a <= start and stop <= b:
+                return self.inner.state[master][moment][start - a:stop - a]
+        raise ValueError(f"flat elements [{start}, {stop}) are not updated by data-parallel rank {self.buffer.rank}")
+
     @torch.no_grad()
-    def sharded_state(self, prefix: str) -> tuple[list[tuple], dict[str, float]]:
-        """(entries, steps): entries (f"{prefix}/{moment}/{name}", name, tensor shaped like the parameter, True)
-        from one all-gather of each chunk-shaped moment over dp (collective: every dp rank calls it), and the step
-        count of every parameter once a step was taken."""
+    def sharded_state(self, prefix: str, spec_of=None) -> tuple[list[tuple], dict[str, float]]:
+        """(entries, steps): the step count of every parameter once a step was taken, and entries
+        (f"{prefix}/{moment}/{name}", name, tensor, kind). Sharded over dp: blocks of rows this rank writes (kind a
+        RowBlock; collective over dp, see :mod:`pipeline.zero_state`; spec_of(name) gives a parameter's ShardSpec);
+        else the whole moment shaped like the parameter (kind True)."""
         entries: list[tuple] = []
         if not self.steps_taken:
             return entries, {}
+        if self.dp_group is not None and self.buffer.dp > 1:
+            from pipeline.zero_state import owner_blocks
+
+            return owner_blocks(self, prefix, spec_of), {name: self.steps_taken for name in self.names.values()}
         for group, mine in self._flat_groups():
             for moment in self.MOMENTS:
                 chunk = torch.zeros_like(group.chunk(group.param_flat, self.buffer.rank))
@@ -116,6 +134,22 @@ class ZeroAdamW(torch.optim.Optimizer):
         returns the tensor shaped like this rank's parameter, or None when the checkpoint has no such state."""
         if not all(name in steps for name in self.names.values()):
             return
+        step = next(iter(steps[n] for n in self.names.values()))
+        if self.dp_group is not None and self.buffer.dp > 1 and hasattr(read, "rows"):
+            from pipeline.zero_state import load_owned
+
+            runs = load_owned(self, read.rows, prefix)  # only the rows of this rank's runs are read
+        else:
+            runs = self._load_whole(read, prefix)
+        inner_state = {index: {"step": torch.tensor(step, dtype=torch.float32), **run}
+                       for index, run in enumerate(runs)}
+        saved = self.inner.state_dict()
+        saved["state"] = inner_state
+        self.inner.load_state_dict(saved)
+        self.steps_taken = step
+
+    def _load_whole(self, read, prefix: str) -> list[dict]:
+        """{moment: tensor} of every run, cut from whole per-parameter arrays (read(array, name, True))."""
         full = {}
         for group, mine in self._flat_groups():
             for moment in self.MOMENTS:
@@ -124,11 +158,4 @@ class ZeroAdamW(torch.optim.Optimizer):
                     value = read(f"{prefix}/{moment}/{self.names[id(p)]}", self.names[id(p)], True)
                     flat[group.offsets[i]:group.offsets[i] + p.numel()] = value.reshape(-1).to(flat.dtype)
                 full[id(group), moment] = flat
-        step = next(iter(steps[n] for n in self.names.values()))
-        inner_state = {index: {"step": torch.tensor(step, dtype=torch.float32),
-                               **{m: full[id(g), m][a:b].clone() for m in self.MOMENTS}}
-                       for index, (g, a, b, _) in enumerate(self.masters)}
-        saved = self.inner.state_dict()
-        saved["state"] = inner_state
-        self.inner.load_state_dict(saved)
-        self.steps_taken = step
+        return [{m: full[id(g), m][a:b].clone() for m in self.MOMENTS} for g, a, b, _ in self.masters]

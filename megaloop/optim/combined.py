@@ -224,13 +224,14 @@ ADAMW_PREFIX = "optim/adamw"
 ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def sharded_state(opt: CombinedOptimizer) -> tuple[list[tuple], dict[str, Any]]:
+def sharded_state(opt: CombinedOptimizer, spec_of: Callable | None = None) -> tuple[list[tuple], dict[str, Any]]:
     """The optimizer's state without its layout, for checkpoints: (entries, scalars).
 
     entries are (array name, parameter name, tensor, sharded) tuples: Muon's momentum_buffer / second_moment under
     optim/muon/<key>/<name> (whole matrices), AdamW's exp_avg / exp_avg_sq under optim/adamw/<key>/<name> (shaped
     like this rank's parameter, i.e. its tensor-parallel shard: sharded=True). Distributed inner optimizers
-    (distributed Muon, ZeRO-1 AdamW) provide their own entries. scalars: counters, this optimizer's parameter names
+    (distributed Muon, ZeRO-1 AdamW) provide their own entries (ZeRO-1's: blocks of rows of the shard, marked by a
+    RowBlock in place of `sharded`; spec_of(name) gives a parameter's tensor-parallel ShardSpec). scalars: counters, this optimizer's parameter names
     and AdamW step counts (JSON); under pipeline parallelism each rank's cover its stage only: a checkpoint stores
     the job's, :func:`merge_scalars` of every rank's.
     """
@@ -244,7 +245,7 @@ def sharded_state(opt: CombinedOptimizer) -> tuple[list[tuple], dict[str, Any]]:
                 entries += [(f"{MUON_PREFIX}/{key}/{name}", name, t, False) for key, t in opt.muon.state[p].items()]
     if opt.adamw is not None:
         if hasattr(opt.adamw, "sharded_state"):
-            more, adamw_steps = opt.adamw.sharded_state(ADAMW_PREFIX)
+            more, adamw_steps = opt.adamw.sharded_state(ADAMW_PREFIX, spec_of=spec_of)
             entries += more
         else:
             for name, p in zip(opt.adamw_names, opt.adamw.param_groups[0]["params"]):

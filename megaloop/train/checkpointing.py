@@ -45,37 +45,67 @@ def state_pieces(model, optimizer, runtime) -> tuple[list, dict]:
     """This rank's pieces of every global array (parameters and optimizer state) and the optimizer's scalars."""
     from checkpoints.pieces import Piece
     from megaloop.optim.combined import sharded_state
-    from pipeline.state_regions import shard_regions
+    from pipeline.state_regions import RowBlock, global_shape, row_regions, shard_regions
 
     entries = [(f"model/{name}", name, p.detach(), True) for name, p in model.named_parameters()]
-    opt_entries, scalars = sharded_state(optimizer)
+    opt_entries, scalars = sharded_state(optimizer, spec_of=runtime.shard_spec)
     pieces = []
     for array, param, tensor, sharded in entries + opt_entries:
         spec = runtime.shard_spec(param) if sharded else None
+        if isinstance(sharded, RowBlock):  # rows of the shard that this data-parallel rank writes
+            shape = global_shape(sharded.shard_shape, spec)
+            pieces += [Piece(array, shape, offsets, tensor[index])
+                       for offsets, _, index in row_regions(sharded.shard_shape, spec, runtime.tp_rank,
+                                                            sharded.start, sharded.stop)]
+            continue
         pieces += [Piece(array, r.global_shape, r.offsets, r.local)
                    for r in shard_regions(tensor, spec, runtime.tp_rank)]
     return pieces, scalars
 
 
-def make_reader_fn(reader, runtime):
+class ShardReader:
     """read(array, param, sharded) for the optimizers: the whole array, or this rank's tp shard of it; None when
-    the checkpoint has no such array."""
-    from pipeline.state_regions import read_shard
+    the checkpoint has no such array. rows(array, param, start, stop): rows [start, stop) of this rank's shard
+    only (what a ZeRO-1 rank updates), reading just the chunks they touch."""
 
-    def read(array: str, param: str, sharded: bool):
-        info = reader.arrays.get(array)
+    def __init__(self, reader, runtime):
+        self.reader, self.runtime = reader, runtime
+
+    def _shard(self, array: str, param: str):
+        info = self.reader.arrays.get(array)
         if info is None:
-            return None
-        if not sharded:
-            return reader.read(array)
-        spec = runtime.shard_spec(param)
+            return None, None, None
+        spec = self.runtime.shard_spec(param)
         local_shape = list(info.shape)
         if spec is not None:
             local_shape[spec.dim] //= spec.tp
-        return read_shard(lambda offsets, shape: reader.read(array, offsets, shape), local_shape, spec,
-                          runtime.tp_rank)
+        return info, spec, tuple(local_shape)
 
-    return read
+    def _region(self, array: str):
+        return lambda offsets, shape: self.reader.read(array, offsets, shape)
+
+    def __call__(self, array: str, param: str, sharded: bool):
+        from pipeline.state_regions import read_shard
+
+        info, spec, local_shape = self._shard(array, param)
+        if info is None:
+            return None
+        if not sharded:
+            return self.reader.read(array)
+        return read_shard(self._region(array), local_shape, spec, self.runtime.tp_rank)
+
+    def rows(self, array: str, param: str, start: int, stop: int):
+        from pipeline.state_regions import read_rows
+
+        info, spec, local_shape = self._shard(array, param)
+        if info is None:
+            return None
+        return read_rows(self._region(array), local_shape, spec, self.runtime.tp_rank, start, stop)
+
+
+def make_reader_fn(reader, runtime) -> ShardReader:
+    """The reader the model and the optimizers load through (see :class:`ShardReader`)."""
+    return ShardReader(reader, runtime)
 
 
 def load_model(model, read) -> None:
@@ -278,7 +308,13 @@ class RunCheckpoints:
         if not self.enabled or step == self.last_saved_step:
             return
         pieces, scalars = state_pieces(model, optimizer, self.runtime)
-        scalars = merge_scalars(self.runtime.all_gather_object(scalars))  # every stage's parameters
+        refuse = None
+        per_rank = self.runtime.gather_object(scalars)  # every stage's parameters, on rank 0 (which writes metadata)
+        if per_rank is not None:
+            try:
+                scalars = merge_scalars(per_rank)
+            except ValueError as exc:  # every rank refuses this save alike, through the checkpointer's agreement
+                refuse = str(exc)
         loader = data.state_dict()
         if loader["step"] != step:
             raise RuntimeError(f"the data loader is at global batch {loader['step']} after {step} steps")
@@ -288,7 +324,7 @@ class RunCheckpoints:
                     "schedule_steps": getattr(optimizer, "total_steps", self.cfg.train.steps), "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                     "torch": torch.__version__}
         self.wait()  # the previous save: its outcome is reported before this one starts
-        self._saver().save(step, pieces, metadata)
+        self._saver().save(step, pieces, metadata, refuse=refuse)
         self.last_saved_step = step
         if wait:
             self.wait()
@@ -316,7 +352,8 @@ class RunCheckpoints:
             from checkpoints.save import Checkpointer
 
             self._checkpointer = Checkpointer(self.root, rank=self.runtime.rank, world_size=self.runtime.world_size,
-                                              all_gather_object=self.runtime.all_gather_object,
+                                              gather_object=self.runtime.gather_object,
+                                              scatter_object=self.runtime.scatter_object,
                                               keep=self.cfg.checkpoint.keep, async_save=self.cfg.checkpoint.async_save)
         return self._checkpointer
 

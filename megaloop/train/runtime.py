@@ -67,6 +67,12 @@ class SingleProcessRuntime:
     def all_gather_object(self, obj) -> list:
         return [obj]
 
+    def gather_object(self, obj, dst: int = 0) -> list:
+        return [obj]
+
+    def scatter_object(self, objs: list, src: int = 0):
+        return objs[0]
+
     tp_rank = 0
 
     def shard_spec(self, name: str):
