@@ -90,20 +90,22 @@ class PipelineRuntime(ParallelRuntime):
     between their embedding and its backward);
     `check_messages`: every message checked against what its Recv expects (pipeline.ring.execute; for debugging).
     `p2p_semantics`: auto (the backend's own) | rendezvous (NCCL's, emulated on gloo: a send completes only when its
-    receive does, one group's batches run in order; pipeline.ring.rendezvous). Creating the runtime is collective:
+    receive does, one group's batches run in order; pipeline.ring.rendezvous); `timeout_s` bounds each wait of a
+    message. Creating the runtime is collective:
     it makes every pipeline's channel groups (pipeline.ring.channels)."""
 
     runs_pipeline = True
 
     def __init__(self, layout, tp_plan, muon_functions, stage_functions: StageFunctions, zero_stage: int = 1,
                  grad_reduce_dtype: str = "fp32", in_flight: int = 3, check_messages: bool = False,
-                 p2p_semantics: str = "auto"):
+                 p2p_semantics: str = "auto", timeout_s: float = 600.0):
         super().__init__(layout, tp_plan, muon_functions, zero_stage=zero_stage, grad_reduce_dtype=grad_reduce_dtype)
         self.stage_functions = stage_functions
         self.in_flight = in_flight
         self.check_messages = check_messages
         self.stage, self.pp = layout.pp_rank, layout.pp
-        self.channels = ring_channels(group_ranks(layout.tp, layout.dp, layout.pp)["pp"], layout.rank, p2p_semantics)
+        self.channels = ring_channels(group_ranks(layout.tp, layout.dp, layout.pp)["pp"], layout.rank, p2p_semantics,
+                                      timeout_s=timeout_s)
         self.shared: set[str] = set()
         self._schedule: tuple = (None, [])  # (the specs' key, this rank's actions): the last step's
 

@@ -31,6 +31,7 @@ run of Sends and Recvs (which hangs under rendezvous once a message outgrows the
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -87,20 +88,22 @@ def emulates(semantics: str, backend: str) -> bool:
 
 def ring_channels(pp_groups: Sequence[Sequence[int]], rank: int, semantics: str = "auto",
                   posting: str = "directed", shared: Optional[dist.ProcessGroup] = None,
-                  eager_bytes: int = EAGER_BYTES) -> Optional[RingChannels]:
+                  eager_bytes: int = EAGER_BYTES, timeout_s: float = 600.0) -> Optional[RingChannels]:
     """The channels of `rank`'s pipeline, None if `rank` is in none of `pp_groups` (each a pipeline's global ranks in
     ring order). Collective over the world: every rank calls it with every pipeline, in the same order (posting
     "directed" creates each pipeline's channel groups with dist.new_group). `shared`: the pipeline's group for
-    posting "shared" (default: the world)."""
+    posting "shared" (default: the world). `timeout_s`: how long an operation may wait (the groups' timeout and
+    the emulation's)."""
     if posting not in POSTINGS:
         raise ValueError(f"posting must be one of {', '.join(POSTINGS)}, got {posting!r}")
     emulate = emulates(semantics, dist.get_backend())
     mine = None
     for ranks in pp_groups:
         pairs = ring_pairs(len(ranks)) if posting == "directed" else []
-        groups = {(s, d): dist.new_group([ranks[s], ranks[d]]) for s, d in pairs}
+        groups = {(s, d): dist.new_group([ranks[s], ranks[d]], timeout=datetime.timedelta(seconds=timeout_s))
+                  for s, d in pairs}
         if rank in ranks:
             mine = RingChannels(tuple(ranks), list(ranks).index(rank), groups, posting, shared)
     if mine is not None and emulate:
-        mine.post = RendezvousP2P(eager_bytes)
+        mine.post = RendezvousP2P(eager_bytes, timeout_s)
     return mine

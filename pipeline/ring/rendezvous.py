@@ -25,6 +25,7 @@ group fails with it, as an aborted communicator does.
 """
 from __future__ import annotations
 
+import datetime
 import queue
 import threading
 from typing import Optional, Sequence
@@ -61,8 +62,8 @@ class BatchWork:
 class _Stream:
     """One group's worker thread: runs its batches in posting order, one at a time."""
 
-    def __init__(self, eager_bytes: int):
-        self.eager_bytes = eager_bytes
+    def __init__(self, eager_bytes: int, timeout: datetime.timedelta):
+        self.eager_bytes, self.timeout = eager_bytes, timeout
         self.batches: queue.Queue = queue.Queue()
         self.failed: Optional[BaseException] = None
         self.thread = threading.Thread(target=self._run, name="rendezvous-p2p", daemon=True)
@@ -76,17 +77,17 @@ class _Stream:
             ops, work = item
             if self.failed is None:
                 try:
-                    _execute(ops, self.eager_bytes)
+                    _execute(ops, self.eager_bytes, self.timeout)
                 except Exception as err:  # noqa: BLE001  (handed to whoever waits on the batch)
                     self.failed = err
             work._finish(self.failed)
 
 
-def _execute(ops: Sequence[dist.P2POp], eager_bytes: int) -> None:
+def _execute(ops: Sequence[dist.P2POp], eager_bytes: int, timeout: datetime.timedelta) -> None:
     """Runs one batch: every payload and acknowledgement receive posted together; each receive acknowledged as soon
     as it completed (a batch may hold several messages of one channel, which its sender may send one batch at a
     time); the batch done when its sends are acknowledged. gloo gives one work per operation, and each is waited for
-    once: a second wait would wait for another message."""
+    once (a second wait would wait for another message), with `timeout` (a gloo wait has none of its own)."""
     def large(op):
         return op.tensor.numel() * op.tensor.element_size() > eager_bytes
 
@@ -98,21 +99,22 @@ def _execute(ops: Sequence[dist.P2POp], eager_bytes: int) -> None:
         if op.op is dist.isend:
             pending.append(work)
             continue
-        work.wait()
+        work.wait(timeout)
         if large(op):
             pending.append(dist.isend(torch.ones(1, dtype=torch.uint8), op.peer, op.group, ACK_TAG))
     for work in pending:
-        work.wait()
+        work.wait(timeout)
 
 
 class RendezvousP2P:
     """`dist.batch_isend_irecv` with NCCL's semantics on gloo (see the module docstring): returns one Work per
-    batch. `close()` ends the worker threads (they hold no group between batches)."""
+    batch. An operation not done within `timeout_s` fails its batch (the error names the timeout). `close()` ends
+    the worker threads (they hold no group between batches)."""
 
-    def __init__(self, eager_bytes: int = EAGER_BYTES):
-        if eager_bytes < 0:
-            raise ValueError(f"eager_bytes must be >= 0, got {eager_bytes}")
-        self.eager_bytes = eager_bytes
+    def __init__(self, eager_bytes: int = EAGER_BYTES, timeout_s: float = 600.0):
+        if eager_bytes < 0 or not timeout_s > 0:
+            raise ValueError(f"need eager_bytes >= 0 and timeout_s > 0, got {eager_bytes} and {timeout_s}")
+        self.eager_bytes, self.timeout = eager_bytes, datetime.timedelta(seconds=timeout_s)
         self._streams: dict[int, _Stream] = {}  # id(group) -> its stream; the ops carry the group itself
 
     def __call__(self, ops: Sequence[dist.P2POp]) -> list[BatchWork]:
@@ -123,7 +125,7 @@ class RendezvousP2P:
             raise ValueError("all operations of a batch_isend_irecv must use the same group")
         stream = self._streams.get(groups.pop())
         if stream is None:
-            stream = self._streams[id(ops[0].group)] = _Stream(self.eager_bytes)
+            stream = self._streams[id(ops[0].group)] = _Stream(self.eager_bytes, self.timeout)
         work = BatchWork()
         stream.batches.put((list(ops), work))
         return [work]

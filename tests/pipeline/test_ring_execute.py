@@ -149,7 +149,7 @@ def memory_specs(laps: int) -> list[MicroBatch]:
 
 def worker(rank, world, out):
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    channels = ring_channels([list(range(world))], rank, "rendezvous")  # every send waits for its receive
+    channels = ring_channels([list(range(world))], rank, "rendezvous", timeout_s=60)  # sends wait for receives
     result, grads = run_rank(rank, world, SPECS, channels, check_messages=True)
     ragged, ragged_grads = run_rank(rank, world, SPECS, channels, program=RaggedProgram)
     memory = {}
@@ -202,8 +202,8 @@ def bad_worker(rank, world, mode, out):
     under rendezvous semantics until the process group's timeout. All under rendezvous semantics."""
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=5))
     posting = "shared" if mode == "shared" else "directed"
-    channels = ring_channels([list(range(world))], rank, "rendezvous", posting=posting)
-    specs = [MicroBatch(2, 1), MicroBatch(3, 1)]
+    channels = ring_channels([list(range(world))], rank, "rendezvous", posting=posting, timeout_s=5)
+    specs = SPECS if mode == "shared" else [MicroBatch(2, 1), MicroBatch(3, 1)]  # SPECS: simulate(p2p="shared") hangs
     actions = list(ring_schedule(specs, world, max_in_flight=2)[rank])
     if mode == "order" and rank == 1:
         at = [i for i, a in enumerate(actions) if isinstance(a, Recv)][:2]
@@ -223,12 +223,17 @@ def bad_worker(rank, world, mode, out):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("mode", ["order", "shape", "missing"])
+@pytest.mark.parametrize("mode", ["order", "shape", "missing", "shared"])
 def test_mismatched_recv_fails_clearly(mode, tmp_path):
     out = str(tmp_path / "bad")
     spawn(bad_worker, 2, mode, out)
     message = torch.load(f"{out}.1")
     print(mode, "->", message)
+    if mode == "shared":  # the earlier posting hangs under rendezvous semantics until the timeout ends it
+        messages = [torch.load(f"{out}.{r}") for r in range(2)]
+        assert all(m.startswith(f"ExecutionError: rank {r}: point-to-point batch [") for r, m in enumerate(messages))
+        assert any("Timed out waiting 5000ms" in m for m in messages), messages
+        return
     assert message.startswith("ExecutionError: rank 1:") and "Recv(" in message, message
     if mode == "order":
         assert "do not follow rank 0's Send order" in message
