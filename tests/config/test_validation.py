@@ -32,6 +32,7 @@ def no_model_may_be_built(monkeypatch):
     ("checkpoint.keep=0", "checkpoint.keep", "must be >= 1"),
     ("train.stop_at_step=0", "train.stop_at_step", ">= 1 or null"),
     ("train.extend=restart", "train.extend", "continue, rewarm"),
+    ("parallel.p2p_semantics=nccl", "parallel.p2p_semantics", "auto, rendezvous"),
 ])
 def test_invalid_values_name_field_and_allowed(override, field, allowed):
     with pytest.raises(ValueError) as info:
