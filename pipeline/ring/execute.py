@@ -257,7 +257,9 @@ class RingExecutor:
             names = ", ".join(label(a) for a in batch)
             raise ExecutionError(f"rank {self.rank}: point-to-point batch [{names}] failed ({err}). A Recv whose "
                                  f"shape or order does not match its peer's Send, or a peer that never sends, ends "
-                                 f"here; check the schedule with pipeline.ring.simulate and the program's "
+                                 f"here (and, under rendezvous semantics, sends that wait for receives their peer "
+                                 f"cannot post yet); check the schedule with pipeline.ring.simulate (p2p="
+                                 f"\"rendezvous\", or \"shared\" for the shared posting) and the program's "
                                  f"message_shape") from err
 
     def _finish_sends(self) -> None:
