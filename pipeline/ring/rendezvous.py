@@ -66,6 +66,7 @@ class _Stream:
         self.eager_bytes, self.timeout = eager_bytes, timeout
         self.batches: queue.Queue = queue.Queue()
         self.failed: Optional[BaseException] = None
+        self.eager: list = []  # gloo works of eager sends still in flight (they hold their tensors)
         self.thread = threading.Thread(target=self._run, name="rendezvous-p2p", daemon=True)
         self.thread.start()
 
@@ -77,33 +78,37 @@ class _Stream:
             ops, work = item
             if self.failed is None:
                 try:
-                    _execute(ops, self.eager_bytes, self.timeout)
+                    self.eager = [w for w in self.eager if not w.is_completed()]
+                    self.eager += _execute(ops, self.eager_bytes, self.timeout)
                 except Exception as err:  # noqa: BLE001  (handed to whoever waits on the batch)
                     self.failed = err
             work._finish(self.failed)
 
 
-def _execute(ops: Sequence[dist.P2POp], eager_bytes: int, timeout: datetime.timedelta) -> None:
+def _execute(ops: Sequence[dist.P2POp], eager_bytes: int, timeout: datetime.timedelta) -> list:
     """Runs one batch: every payload and acknowledgement receive posted together; each receive acknowledged as soon
     as it completed (a batch may hold several messages of one channel, which its sender may send one batch at a
     time); the batch done when its sends are acknowledged. gloo gives one work per operation, and each is waited for
-    once (a second wait would wait for another message), with `timeout` (a gloo wait has none of its own)."""
+    once (a second wait would wait for another message), with `timeout` (a gloo wait has none of its own). A send
+    of at most `eager_bytes` is not waited for (a gloo send itself waits for its receive to be posted): its work is
+    returned, to be kept until it completes."""
     def large(op):
         return op.tensor.numel() * op.tensor.element_size() > eager_bytes
 
     acks = [dist.P2POp(dist.irecv, torch.empty(1, dtype=torch.uint8), op.peer, op.group, ACK_TAG)
             for op in ops if op.op is dist.isend and large(op)]
     works = dist.batch_isend_irecv(list(ops) + acks)
-    pending = works[len(ops):]
+    pending, eager = works[len(ops):], []
     for work, op in zip(works, ops):
         if op.op is dist.isend:
-            pending.append(work)
+            (pending if large(op) else eager).append(work)
             continue
         work.wait(timeout)
         if large(op):
             pending.append(dist.isend(torch.ones(1, dtype=torch.uint8), op.peer, op.group, ACK_TAG))
     for work in pending:
         work.wait(timeout)
+    return eager
 
 
 class RendezvousP2P:
