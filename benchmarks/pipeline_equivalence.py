@@ -1,7 +1,8 @@
 """The ring pipeline's whole equivalence matrix on CPU (gloo): megaloop's trainer under pp2, pp4, pp2 x tp2,
 pp2 x dp2 and pp2 x tp2 x dp2 (8 processes) for parcae-tiny with 4 core blocks, per-sequence depths (micro-batches
 of different lap counts), Muon + AdamW, 8 steps, and GPT and RDM at pp2 x dp2, each in fp64 and fp32 against the
-single-process run of the same config.
+single-process run of the same config. Point-to-point runs under NCCL's rendezvous semantics, emulated on gloo
+(parallel.p2p_semantics=rendezvous: every send waits for its receive, one group's batches run in order).
 
     python benchmarks/pipeline_equivalence.py [--layouts pp2,pp2xtp2xdp2] [--corpus DIR]
 

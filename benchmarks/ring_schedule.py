@@ -15,6 +15,11 @@ activation bound). Printed beside its idle fraction:
            and its peak stored activation units on rank 0 (i-mem) beside the ring's on any rank (mem; a unit:
            one lap segment's, the embedding's or the loss's saved activations)
   fly      the ring's peak micro-batches in flight on a rank / the bound; open: its peak open micro-batches
+  rdv/as   the same schedule simulated under NCCL's rendezvous semantics as the executor posts it (one group per
+           channel direction; simulate(p2p="rendezvous"), which fails on a deadlock), its makespan over the one
+           with free sends
+  shared   whether the earlier posting (one group per pipeline, each run of Sends and Recvs one batch waited for
+           whole; simulate(p2p="shared")) runs or hangs under those semantics
 
 The default bound, 3 x pp micro-batches in flight (6 x pp open), keeps the ring's peak stored units near
 interleaved 1F1B's; with --in-flight 2 the ring stores less and a few rows end a little above the target.
@@ -51,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megaloop.depth import SAMPLERS, make_sampler  # noqa: E402  (after the path set-up)
 from pipeline.ring import CostModel, MicroBatch, interleaved_1f1b, ring_schedule, simulate, uniform_specs  # noqa: E402
 from pipeline.ring.gantt import gantt_chart  # noqa: E402
-from pipeline.ring import lower_bound  # noqa: E402
+from pipeline.ring import DeadlockError, lower_bound  # noqa: E402
 from pipeline.ring.generate import TOLERANCE  # noqa: E402
 from tests.pipeline.ring_reference import reference_schedule  # noqa: E402
 
@@ -191,11 +196,18 @@ def one_config(args, pp: int, m: int, mu_rec: int, costs: CostModel) -> dict:
     schedule = ring_schedule(specs, pp, bound, 2 * bound, costs, restarts=args.restarts)
     seconds = time.perf_counter() - started
     result = simulate(schedule, specs, costs, max_in_flight=bound, max_open=2 * bound)
+    rendezvous = simulate(schedule, specs, costs, max_in_flight=bound, max_open=2 * bound, p2p="rendezvous")
+    try:  # the earlier posting (one group per pipeline, a run of Sends and Recvs one batch) under NCCL's semantics
+        simulate(schedule, specs, costs, p2p="shared")
+        shared = "runs"
+    except DeadlockError:
+        shared = "hangs"
     v = equal_work_laps(specs, costs)
     busy = sum(result.busy)
     best = 1.0 - busy / (pp * lower_bound(specs, pp, costs))
     row = dict(pp=pp, m=m, mu=mu_rec, laps=float(np.mean([s.laps for s in specs])), v=v, result=result,
-               target=(pp - 1) / (v * m), best=best, bound=bound, seconds=seconds, specs=specs)
+               target=(pp - 1) / (v * m), best=best, bound=bound, seconds=seconds, specs=specs,
+               rendezvous=rendezvous.makespan / result.makespan, shared=shared)
     row["v_laps"] = (pp - 1) / (row["laps"] * m)
     if m % pp == 0:
         chunks = max(1, round(row["laps"]))
@@ -215,7 +227,8 @@ def print_row(row: dict) -> None:
     print(f"{row['pp']:3d} {row['m']:3d} {row['mu']:4d} {row['laps']:6.2f} {row['v']:6.2f} "
           f"{result.idle_fraction:7.4f} {row['target']:7.4f} {row['best']:7.4f} {verdict(row):>10} "
           f"{row['v_laps']:7.4f} {inter_text} {max(result.peak_stored):5d} "
-          f"{max(result.peak_in_flight):3d}/{row['bound']:<3d} {result.peak_open:3d} {row['seconds']:6.2f}")
+          f"{max(result.peak_in_flight):3d}/{row['bound']:<3d} {result.peak_open:3d} {row['seconds']:6.2f} "
+          f"{row['rendezvous']:6.4f} {row['shared']:>6}")
 
 
 def main(argv=None) -> int:
@@ -226,7 +239,7 @@ def main(argv=None) -> int:
     print(f"costs: forward {costs.forward}, backward {costs.backward}, no-autograd forward {costs.nograd_forward}, "
           f"latency {costs.latency}; bound {args.in_flight} x pp micro-batches in flight, 2 x that open; "
           f"{args.sequences} sequences per micro-batch, sampler {args.sampler}{', ragged' if args.ragged else ''}")
-    print(" pp   m   mu  laps      v    idle  target    best    verdict  v/laps 1F1B-i i-mem  mem  fly    open  gen_s")
+    print(" pp   m   mu  laps      v    idle  target    best    verdict  v/laps 1F1B-i i-mem  mem  fly    open  gen_s  rdv/as shared")
     rows = []
     for pp in args.pp:
         for m in args.m:
@@ -237,6 +250,10 @@ def main(argv=None) -> int:
     print(f"{len(rows)} schedules simulated: all deadlock-free, sends matching recvs, within their activation bounds; "
           f"idle <= target: {counts['ok']}, target below any schedule's lower bound: {counts['infeasible']}, "
           f"above target: {counts['over']}")
+    print(f"under NCCL's rendezvous semantics (one group per channel direction): all {len(rows)} deadlock-free, "
+          f"makespan / free sends' {min(r['rendezvous'] for r in rows):.4f} .. {max(r['rendezvous'] for r in rows):.4f}"
+          f"; the earlier posting (one group per pipeline) hangs in {sum(r['shared'] == 'hangs' for r in rows)} of "
+          f"{len(rows)}")
     pp, m, mu_rec = args.gantt_config
     row = next((r for r in rows if (r["pp"], r["m"], r["mu"]) == (pp, m, mu_rec)), None) or one_config(
         args, pp, m, mu_rec, costs)

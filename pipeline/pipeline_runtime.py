@@ -35,6 +35,8 @@ from pipeline.model_view import ModelView
 from pipeline.parallel_lm import ParallelLM
 from pipeline.ring import MicroBatch, chain, rank_of, ring_schedule, with_p2p
 from pipeline.ring.actions import Embed, Forward, Loss
+from pipeline.layout import group_ranks
+from pipeline.ring.channels import ring_channels
 from pipeline.ring.execute import RingExecutor
 from pipeline.runtime import ParallelRuntime
 from pipeline.tensor_parallel import TensorParallelInfo
@@ -99,17 +101,24 @@ class PipelineRuntime(ParallelRuntime):
     """Ring pipeline x tensor x data parallelism for the trainer; see the module docstring. At most `in_flight` x pp
     micro-batches hold lap activations at once on any rank (the ring schedule's memory bound; 2 x that many are
     between their embedding and its backward);
-    `check_messages`: every message checked against what its Recv expects (pipeline.ring.execute; for debugging)."""
+    `check_messages`: every message checked against what its Recv expects (pipeline.ring.execute; for debugging).
+    `p2p_semantics`: auto (the backend's own) | rendezvous (NCCL's, emulated on gloo: a send completes only when its
+    receive does, one group's batches run in order; pipeline.ring.rendezvous); `timeout_s` bounds each wait of a
+    message. Creating the runtime is collective:
+    it makes every pipeline's channel groups (pipeline.ring.channels)."""
 
     runs_pipeline = True
 
     def __init__(self, layout, tp_plan, muon_functions, stage_functions: StageFunctions, zero_stage: int = 1,
-                 grad_reduce_dtype: str = "fp32", in_flight: int = 3, check_messages: bool = False):
+                 grad_reduce_dtype: str = "fp32", in_flight: int = 3, check_messages: bool = False,
+                 p2p_semantics: str = "auto", timeout_s: float = 600.0):
         super().__init__(layout, tp_plan, muon_functions, zero_stage=zero_stage, grad_reduce_dtype=grad_reduce_dtype)
         self.stage_functions = stage_functions
         self.in_flight = in_flight
         self.check_messages = check_messages
         self.stage, self.pp = layout.pp_rank, layout.pp
+        self.channels = ring_channels(group_ranks(layout.tp, layout.dp, layout.pp)["pp"], layout.rank, p2p_semantics,
+                                      timeout_s=timeout_s)
         self.shared: set[str] = set()
         self._schedules: collections.OrderedDict = collections.OrderedDict()  # specs' key -> this rank's actions
         self._schedules_lock = threading.Lock()
@@ -225,8 +234,15 @@ class PipelineRuntime(ParallelRuntime):
         return vocab_parallel_cross_entropy(logits, labels, self.layout, vocab_start=self.tp_info.vocab_range[0])
 
     def _executor(self, program) -> RingExecutor:
-        return RingExecutor(program, self.layout.pp_group, dtype=program.message_dtype(), device=self.device,
-                            check_messages=self.check_messages)
+        return RingExecutor(program, dtype=program.message_dtype(), device=self.device,
+                            check_messages=self.check_messages, channels=self.channels)
+
+    def close(self) -> None:
+        """Ends the channels (and their rendezvous emulation's threads), then as ParallelRuntime."""
+        if self.channels is not None:
+            self.channels.close()
+            self.channels = None
+        super().close()
 
     def _result(self, program, mb: int) -> MicroBatchResult:
         loss = program.losses.get(mb)

@@ -24,6 +24,9 @@ class ParallelConfig:
     zero_stage: int = 1
     zero_offload: bool = False  # deepspeed engine: optimizer state and step on the CPU (ZeRO-Offload)
     backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | gloo | nccl
+    p2p_semantics: str = "auto"  # pp > 1: auto (the backend's: NCCL's rendezvous, gloo's asynchronous sends) |
+    #                                rendezvous (NCCL's on gloo too: a send completes only when its receive does and
+    #                                one group's batches run in order, so CPU runs hang where NCCL would)
     timeout_s: float = 600.0  # a collective waiting longer fails the job (a lost rank must not hang the others)
     grad_reduce_dtype: str = "fp32"  # fp32: gradients cross the wire in their own dtype | bf16: cast for the wire
     dp_balance: str | None = None  # depth: deal sequences to dp ranks by loop work | rows: equal rows (None: depth,
@@ -38,6 +41,7 @@ class ParallelConfig:
         check_choice("parallel.engine", self.engine, ("native", "deepspeed"))
         check_choice("parallel.pp_split", self.pp_split, ("even", "balanced"))
         check_choice("parallel.backend", self.backend, ("auto", "gloo", "nccl"))
+        check_choice("parallel.p2p_semantics", self.p2p_semantics, ("auto", "rendezvous"))
         check_choice("parallel.grad_reduce_dtype", self.grad_reduce_dtype, ("fp32", "bf16"))
         if self.pp_message_dtype is not None:
             check_choice("parallel.pp_message_dtype", self.pp_message_dtype, ("fp32", "bf16"))

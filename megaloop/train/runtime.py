@@ -132,7 +132,8 @@ def make_runtime(cfg, device: torch.device):
                                 program=functools.partial(LoopedStageProgram, split=split,
                                                           message_dtype=message_dtype(cfg)))
         return PipelineRuntime(layout, tensor_parallel_plan(m.mlp), functions, stages, zero_stage=p.zero_stage,
-                               grad_reduce_dtype=p.grad_reduce_dtype, in_flight=p.pp_in_flight)
+                               grad_reduce_dtype=p.grad_reduce_dtype, in_flight=p.pp_in_flight,
+                               p2p_semantics=p.p2p_semantics, timeout_s=p.timeout_s)
     return ParallelRuntime(layout, tensor_parallel_plan(m.mlp), functions, zero_stage=p.zero_stage,
                            grad_reduce_dtype=p.grad_reduce_dtype)
 

@@ -3,15 +3,20 @@
 `RingExecutor(program, group).run(actions, specs)` executes the list that `pipeline.ring.ring_schedule` (or any
 schedule over the same actions) made for this rank, in order:
 
-- a run of consecutive Sends and Recvs goes out as one `batch_isend_irecv` over the pp process group (peers are
-  the group's global ranks, in ring order); Sends stay in flight (their tensors are kept until they complete),
-  Recvs are waited for before the next compute action. A Recv's buffer has the shape `program.message_shape` gives
-  (the state leaving that lap, or its gradient); with `check_messages` every message is preceded by a small header
-  naming it and its shape, received and compared before the payload, so a Recv that does not match its channel's
-  next Send (or expects another shape) fails with both names. Without it, gloo aborts the process on a size
-  mismatch ("Received data size doesn't match expected size") and a swapped message of the same shape goes
-  unnoticed: check new schedules and programs with `check_messages=True`. A peer that never sends fails at the
-  process group's timeout instead of hanging; the error says which Recv waited.
+- Sends and Recvs travel on the pipeline's channels (pipeline.ring.channels): one process group per direction of
+  each pair of ring neighbours, which makes the lists deadlock-free under NCCL's rendezvous semantics too (a send
+  completes only when its receive does; one communicator's operations run in order), see that module for why. A
+  run of consecutive Sends and Recvs posts each channel's Sends as one `batch_isend_irecv` on its group and leaves
+  them in flight (their tensors are kept until they complete; nothing waits on them before the run's end), then
+  each channel's Recvs, which are waited for before the next compute action. A Recv's buffer has the shape
+  `program.message_shape` gives (the state leaving that lap, or its gradient); with `check_messages` every message
+  is preceded by a small header (on the message's device) naming it and its shape, received and compared before
+  the payload, so a Recv that does not match its channel's next Send (or expects another shape) fails with both
+  names. Without it, gloo aborts the process on a size mismatch ("Received data size doesn't match expected
+  size") and a swapped message of the same shape goes unnoticed: check new schedules and programs with
+  `check_messages=True`. A peer that never sends fails at the process group's timeout instead of hanging; the
+  error says which Recv waited. Channels with posting "shared" keep the earlier way (every message on the
+  pipeline's one group, a run of Sends and Recvs in one batch), which hangs under rendezvous semantics.
 - Forward with grad=False runs under `torch.no_grad` and stores nothing; with grad=True its input is a leaf that
   requires grad (except the state entering a micro-batch's first kept lap, whose gradient truncated backprop drops)
   and input and output are stored until its Backward, which calls `torch.autograd.backward(output, gradient)` and
@@ -47,6 +52,7 @@ from pipeline.ring.actions import (
     Send,
     label,
 )
+from pipeline.ring.channels import RingChannels, ring_channels
 from pipeline.ring.p2p import neighbours
 from pipeline.ring.program import StageProgram
 from pipeline.ring.saved import SavedBytes
@@ -77,16 +83,17 @@ class ExecResult:
 _HEADER = 12
 
 
-def header(message: Message, shape: Sequence[int]) -> torch.Tensor:
+def header(message: Message, shape: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
     """The int64 header naming a message: kind, micro-batch, lap, stage (-1 where the action has none), the number
-    of dimensions and the shape (up to 7 dimensions, padded with -1)."""
+    of dimensions and the shape (up to 7 dimensions, padded with -1), on `device` (the message's: NCCL sends
+    device tensors only)."""
     producer = message.producer
     shape = list(shape)
     if len(shape) > _HEADER - 5:
         raise ExecutionError(f"message shapes of at most {_HEADER - 5} dimensions can be checked, got {shape}")
     return torch.tensor([_KINDS[type(producer)], producer.mb, getattr(producer, "lap", -1),
                          getattr(producer, "stage", -1), len(shape)] + shape + [-1] * (_HEADER - 5 - len(shape)),
-                        dtype=torch.int64)
+                        dtype=torch.int64, device=device)
 
 
 def _describe(head: torch.Tensor) -> str:
@@ -96,16 +103,22 @@ def _describe(head: torch.Tensor) -> str:
 
 
 class RingExecutor:
-    """Runs ring-pipeline action lists for one rank of the pp process group `group` (default: the world); this
-    rank's ring position is its rank in the group. Messages have `dtype` and live on `device`."""
+    """Runs ring-pipeline action lists for one rank of a pipeline; messages have `dtype` and live on `device`.
+    `channels` (pipeline.ring.channels.ring_channels, made once per job) say where messages travel and this rank's
+    ring position; without them they are made here for the pipeline of `group`'s ranks (default: the world), which
+    is collective over the world (every rank constructs an executor at the same point) and gives gloo's own
+    semantics."""
 
     def __init__(self, program: StageProgram, group: Optional[dist.ProcessGroup] = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 check_messages: bool = False):
-        self.program, self.group, self.dtype, self.device = program, group, dtype, torch.device(device)
+                 check_messages: bool = False, channels: Optional[RingChannels] = None):
+        self.program, self.dtype, self.device = program, dtype, torch.device(device)
         self.check_messages = check_messages
-        self.ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-        self.rank = dist.get_rank(group)
+        if channels is None:
+            ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+            channels = ring_channels([ranks], dist.get_rank())
+        self.channels = channels
+        self.ranks, self.rank = channels.ranks, channels.position
         self.pp = len(self.ranks)
 
     def run(self, actions: Sequence[Action], specs: Sequence[MicroBatch]) -> ExecResult:
@@ -137,34 +150,68 @@ class RingExecutor:
     # communication -------------------------------------------------------------------------------------------
 
     def _communicate(self, batch: Sequence[Action]) -> None:
+        """One run of Sends and Recvs: each channel's Sends posted and left in flight, then each channel's Recvs
+        posted and waited for (see the module docstring)."""
+        if self.channels.posting == "shared":
+            return self._communicate_shared(batch)
+        sends: dict[int, tuple[list[dist.P2POp], list[torch.Tensor]]] = {}
+        for action in batch:
+            if isinstance(action, Send):
+                ops, kept = sends.setdefault(action.dst, ([], []))
+                ops += self._send_ops(action, kept)
+        for ops, kept in sends.values():
+            self.sends.append((self.channels.post(ops), kept))
+        recvs = [action for action in batch if isinstance(action, Recv)]
+        if self.check_messages:  # each receive's header checked before its payload
+            for action in recvs:
+                posted = time.perf_counter()
+                self._wait_all(self.channels.post([self._recv_op(action, check=True)]), [action], posted)
+                self.result.recvs.append((action.message, posted, time.perf_counter()))
+            return
+        by_src: dict[int, list[dist.P2POp]] = {}
+        for action in recvs:
+            by_src.setdefault(action.src, []).append(self._recv_op(action))
+        posted = time.perf_counter()
+        works = [work for ops in by_src.values() for work in self.channels.post(ops)]
+        self._wait_all(works, batch, posted)
+        self.result.recvs += [(action.message, posted, time.perf_counter()) for action in recvs]
+
+    def _wait_all(self, works: list, batch: Sequence[Action], start: float) -> None:
+        if not works:
+            return
+        posted = time.perf_counter()
+        for work in works:
+            self._wait(work, batch)
+        self.result.posts.append((start, posted, time.perf_counter()))
+
+    def _communicate_shared(self, batch: Sequence[Action]) -> None:
+        """The earlier posting (channels with posting "shared"): the whole run in one batch on the pipeline's
+        group, waiting for the receives (and, where the batch has one Work, its sends)."""
         kept: list[torch.Tensor] = []
         ops = [op for action in batch if isinstance(action, Send) for op in self._send_ops(action, kept)]
         recvs = [action for action in batch if isinstance(action, Recv)]
         if self.check_messages:  # sends in flight first, then each receive's header checked before its payload
-            self._post(ops, kept, batch)
+            self._post_shared(ops, kept, batch)
             for action in recvs:
                 posted = time.perf_counter()
-                self._post([self._recv_op(action, check=True)], [], batch)
+                self._post_shared([self._recv_op(action, check=True)], [], batch)
                 self.result.recvs.append((action.message, posted, time.perf_counter()))
             return
         posted = time.perf_counter()
-        self._post(ops + [self._recv_op(action) for action in recvs], kept, batch)
+        self._post_shared(ops + [self._recv_op(action) for action in recvs], kept, batch)
         self.result.recvs += [(action.message, posted, time.perf_counter()) for action in recvs]
 
-    def _post(self, ops: list[dist.P2POp], kept: list[torch.Tensor], batch: Sequence[Action]) -> None:
+    def _post_shared(self, ops: list[dist.P2POp], kept: list[torch.Tensor], batch: Sequence[Action]) -> None:
         if not ops:
             return
         start = time.perf_counter()
-        works = dist.batch_isend_irecv(ops)
-        posted = time.perf_counter()
+        works = self.channels.post(ops)
         if len(works) == len(ops):  # one work per op (gloo): wait for the receives only, sends stay in flight
             self.sends.append(([w for w, op in zip(works, ops) if op.op is dist.isend], kept))
             works = [w for w, op in zip(works, ops) if op.op is dist.irecv]
-        else:  # a coalescing backend (NCCL) returns one work for the whole batch
+        else:  # one work for the whole batch (NCCL, or its emulation)
             self.sends.append(([], kept))
-        for work in works:
-            self._wait(work, batch)
-        self.result.posts.append((start, posted, time.perf_counter()))
+        self._wait_all(works, batch, start)
 
     def _send_ops(self, action: Send, kept: list) -> list[dist.P2POp]:
         producer = action.message.producer
@@ -174,19 +221,19 @@ class RingExecutor:
         if tensor.dtype != self.dtype:  # the receiver's buffer has self.dtype: the bytes would be misread
             raise ExecutionError(f"rank {self.rank}: {label(action)} sends {tensor.dtype}, but messages are "
                                  f"{self.dtype}: the program's message_dtype and its outputs disagree")
-        peer = self.ranks[action.dst]
-        tensors = ([header(action.message, tensor.shape)] if self.check_messages else []) + [tensor]
+        peer, group = self.ranks[action.dst], self.channels.group(self.rank, action.dst)
+        tensors = ([header(action.message, tensor.shape, tensor.device)] if self.check_messages else []) + [tensor]
         kept += tensors
-        return [dist.P2POp(dist.isend, t, peer, self.group) for t in tensors]
+        return [dist.P2POp(dist.isend, t, peer, group) for t in tensors]
 
     def _recv_op(self, action: Recv, check: bool = False) -> dist.P2POp:
         """The irecv of `action`'s payload; with `check`, first receive its header and compare it."""
         shape = self._shape(action.message)
+        peer, group = self.ranks[action.src], self.channels.group(action.src, self.rank)
         if check:
-            head = header(action.message, shape)
+            head = header(action.message, shape, self.device)
             got = torch.empty_like(head)
-            op = dist.P2POp(dist.irecv, got, self.ranks[action.src], self.group)
-            self._wait(dist.batch_isend_irecv([op])[0], [action])
+            self._wait(self.channels.post([dist.P2POp(dist.irecv, got, peer, group)])[0], [action])
             if not torch.equal(got, head):
                 raise ExecutionError(f"rank {self.rank}: {label(action)} expects {_describe(head)} but rank "
                                      f"{action.src} sent {_describe(got)}: this rank's Recvs do not follow rank "
@@ -194,7 +241,7 @@ class RingExecutor:
                                      f"between ranks; check the schedule with pipeline.ring.simulate")
         buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
         self.values[action.message.producer] = buffer
-        return dist.P2POp(dist.irecv, buffer, self.ranks[action.src], self.group)
+        return dist.P2POp(dist.irecv, buffer, peer, group)
 
     def _shape(self, message: Message) -> tuple[int, ...]:
         producer = message.producer
@@ -213,7 +260,9 @@ class RingExecutor:
             names = ", ".join(label(a) for a in batch)
             raise ExecutionError(f"rank {self.rank}: point-to-point batch [{names}] failed ({err}). A Recv whose "
                                  f"shape or order does not match its peer's Send, or a peer that never sends, ends "
-                                 f"here; check the schedule with pipeline.ring.simulate and the program's "
+                                 f"here (and, under rendezvous semantics, sends that wait for receives their peer "
+                                 f"cannot post yet); check the schedule with pipeline.ring.simulate (p2p="
+                                 f"\"rendezvous\", or \"shared\" for the shared posting) and the program's "
                                  f"message_shape") from err
 
     def _finish_sends(self) -> None:

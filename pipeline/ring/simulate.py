@@ -6,7 +6,15 @@ Semantics (those of the executor): each rank runs its list in order; a compute a
 action of its rank has finished and lasts its cost; a Send is asynchronous and takes no time, its message arrives
 the cost model's `delay` later (with `rendezvous`: after the later of the Send and the posting of its Recv, which
 the executor posts with the whole run of Sends and Recvs, when the compute action before it ends); a Recv waits for
-the next message of its channel (src -> this rank), which must be the one it names. Stored activations: Embed, a
+the next message of its channel (src -> this rank), which must be the one it names.
+
+`p2p` chooses the point-to-point semantics: "async" (above: gloo's, a Send is free); "rendezvous" (NCCL's, as the
+executor posts it: one group per direction of a channel, pipeline.ring.channels): a message moves only once its Recv
+is posted and the channel's previous message has arrived (a Send holds its channel's stream until its Recv takes
+it), and nothing waits on a Send; "shared" (NCCL's semantics under the earlier posting: one group per pipeline, each
+run of Sends and Recvs one batch that its rank waits for whole): a rank stays at a batch until every Send in it met
+its Recv and every Recv its Send, each in the peer's current batch, so ranks whose batches send to each other before
+receiving wait forever (DeadlockError; a message is matched by name there, not by channel order). Stored activations: Embed, a
 Forward with autograd and Loss each store one unit on their rank until their backward frees it. A micro-batch is "in
 flight" on a rank while it has lap (or loss) activations stored there, and "open" from its Embed to its
 EmbedBackward (rank 0 keeps its e and prelude activations meanwhile; its no-autograd laps store nothing else).
@@ -39,11 +47,15 @@ from pipeline.ring.costs import CostModel
 from pipeline.ring.p2p import neighbours
 
 
-class DeadlockError(ScheduleError):
-    """Ranks wait on each other: `cycle` lists (rank, the Recv it is blocked at) around the cycle of waits, or, when
-    the wait ends at a rank that finished without sending, along that chain of waits."""
+P2P_SEMANTICS = ("async", "rendezvous", "shared")
 
-    def __init__(self, message: str, cycle: list[tuple[int, Recv]]):
+
+class DeadlockError(ScheduleError):
+    """Ranks wait on each other: `cycle` lists (rank, the Recv it is blocked at, or under p2p "shared" the Send or
+    Recv) around the cycle of waits, or, when the wait ends at a rank that finished without sending, along that chain
+    of waits."""
+
+    def __init__(self, message: str, cycle: list[tuple[int, Action]]):
         super().__init__(message)
         self.cycle = cycle
 
@@ -79,8 +91,12 @@ class SimResult:
 
 
 class _Simulation:
-    def __init__(self, schedule, specs, costs):
-        self.schedule, self.specs, self.costs = schedule, list(specs), costs
+    def __init__(self, schedule, specs, costs, p2p="async"):
+        if p2p not in P2P_SEMANTICS:
+            raise ValueError(f"p2p must be one of {', '.join(P2P_SEMANTICS)}, got {p2p!r}")
+        self.schedule, self.specs, self.costs, self.p2p = schedule, list(specs), costs, p2p
+        self.free: dict[tuple[int, int], float] = {}  # rendezvous: when each channel's last message arrived
+        self.matched: dict[Message, float] = {}  # shared: messages whose Send met its Recv, and when they arrive
         self.pp = len(schedule)
         self.before, self.after = neighbours(self.specs, self.pp)
         self.pos = [0] * self.pp
@@ -116,6 +132,8 @@ class _Simulation:
 
     def _step(self, rank: int) -> bool:
         action = self.schedule[rank][self.pos[rank]]
+        if self.p2p == "shared" and isinstance(action, (Send, Recv)):
+            return self._batch(rank)
         if isinstance(action, Recv):
             return self._recv(rank, action)
         if isinstance(action, Send):
@@ -138,9 +156,42 @@ class _Simulation:
                                 f"is {label(message.producer)}: Recvs must follow the channel's Send order")
         self.taken[channel] = index + 1
         self.received[rank].add(message)
-        if self.costs.rendezvous:
+        if self.costs.rendezvous or self.p2p == "rendezvous":
             time = max(time, self.posted[rank])
-        self.clock[rank] = max(self.clock[rank], time + self.costs.delay(message, self.specs))
+        if self.p2p == "rendezvous":  # the channel's stream: after its previous message arrived
+            time = max(time, self.free.get(channel, 0.0))
+        arrival = time + self.costs.delay(message, self.specs)
+        self.free[channel] = arrival
+        self.clock[rank] = max(self.clock[rank], arrival)
+        return True
+
+    def _run_of(self, rank: int) -> list[Action]:
+        """The run of Sends and Recvs at this rank's position (one batch under p2p "shared")."""
+        actions, end = self.schedule[rank], self.pos[rank]
+        while end < len(actions) and isinstance(actions[end], (Send, Recv)):
+            end += 1
+        return actions[self.pos[rank]:end]
+
+    def _batch(self, rank: int) -> bool:
+        """p2p "shared": match what this rank's batch can match now; move past it when all of it is matched."""
+        batch = self._run_of(rank)
+        for action in batch:
+            peer = action.dst if isinstance(action, Send) else action.src
+            if action.message in self.matched or self.pos[peer] >= len(self.schedule[peer]):
+                continue
+            counterpart = Recv(rank, action.message) if isinstance(action, Send) else Send(rank, action.message)
+            if counterpart in self._run_of(peer):
+                self.matched[action.message] = max(self.posted[rank], self.posted[peer]) + self.costs.delay(
+                    action.message, self.specs)
+        if any(action.message not in self.matched for action in batch):
+            return False
+        for action in batch:
+            if isinstance(action, Send):
+                self._send(rank, action)
+            else:
+                self.received[rank].add(action.message)
+            self.clock[rank] = max(self.clock[rank], self.matched[action.message])
+        self.pos[rank] += len(batch) - 1
         return True
 
     def _send(self, rank: int, action: Send) -> None:
@@ -208,16 +259,18 @@ class _Simulation:
         for rank in range(self.pp):
             if self.pos[rank] < len(self.schedule[rank]):
                 waits[rank] = self.schedule[rank][self.pos[rank]]
+        if self.p2p == "shared":  # a rank waits at the first action of its batch still unmatched
+            waits = {r: next(a for a in self._run_of(r) if a.message not in self.matched) for r in waits}
         rank, path = next(iter(waits)), []
         while rank in waits and rank not in [r for r, _ in path]:
             path.append((rank, waits[rank]))
-            rank = waits[rank].src
-        steps = "; ".join(f"rank {r} waits at {label(a)} for rank {a.src}" for r, a in path)
+            rank = _peer(waits[rank])
+        steps = "; ".join(f"rank {r} waits at {label(a)} for rank {_peer(a)}" for r, a in path)
         if rank not in waits:
             raise DeadlockError(f"rank {rank} finished without sending what rank {path[-1][0]} waits for: {steps}",
                                 path)
         cycle = path[[r for r, _ in path].index(rank):]
-        steps = "; ".join(f"rank {r} waits at {label(a)} for rank {a.src}" for r, a in cycle)
+        steps = "; ".join(f"rank {r} waits at {label(a)} for rank {_peer(a)}" for r, a in cycle)
         raise DeadlockError(f"deadlock: {steps}", cycle)
 
     def _check_complete(self) -> None:
@@ -228,16 +281,21 @@ class _Simulation:
             raise ScheduleError(f"the schedule never runs {shown}")
 
 
+def _peer(action: Action) -> int:
+    return action.dst if isinstance(action, Send) else action.src
+
+
 def simulate(schedule: Sequence[Sequence[Action]], specs: Sequence[MicroBatch],
              costs: CostModel = CostModel(), max_in_flight: int | None = None,
-             max_open: int | None = None) -> SimResult:
-    """Simulates `schedule` (one action list per ring rank) for the micro-batches `specs`.
+             max_open: int | None = None, p2p: str = "async") -> SimResult:
+    """Simulates `schedule` (one action list per ring rank) for the micro-batches `specs` under the point-to-point
+    semantics `p2p` ("async", "rendezvous" or "shared", see the module docstring).
 
     Raises ScheduleError for an invalid schedule, DeadlockError (with the cycle) for one that hangs, and
     ScheduleError when some rank holds more than `max_in_flight` micro-batches' lap activations at once or more than
     `max_open` micro-batches are open at once.
     """
-    result = _Simulation(schedule, specs, costs).run()
+    result = _Simulation(schedule, specs, costs, p2p).run()
     if max_open is not None and result.peak_open > max_open:
         raise ScheduleError(f"{result.peak_open} micro-batches are open at once, above the bound {max_open}")
     if max_in_flight is not None and max(result.peak_in_flight) > max_in_flight:

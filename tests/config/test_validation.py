@@ -33,6 +33,7 @@ def no_model_may_be_built(monkeypatch):
     ("train.stop_at_step=0", "train.stop_at_step", ">= 1 or null"),
     ("train.extend=restart", "train.extend", "continue, rewarm"),
     ("parallel.pp_message_dtype=fp16", "parallel.pp_message_dtype", "fp32, bf16"),
+    ("parallel.p2p_semantics=nccl", "parallel.p2p_semantics", "auto, rendezvous"),
 ])
 def test_invalid_values_name_field_and_allowed(override, field, allowed):
     with pytest.raises(ValueError) as info:

@@ -49,13 +49,14 @@ LAYOUTS = {
 
 def overrides(shards, out_dir, arch: str, precision: str, pp: int = 1, tp: int = 1) -> list[str]:
     """parcae-tiny (4 core blocks) on the 32-token test shards: 16 rows per step in micro-batches of 2, 8 steps,
-    3 validation batches per dp rank (validation under pp runs them pp at a time around the ring);
+    3 validation batches per dp rank (validation under pp runs them pp at a time around the ring), point-to-point
+    under NCCL's rendezvous semantics (emulated on gloo: every send waits for its receive);
     dp is what the world leaves over tp x pp."""
     arch_overrides = [o for o in ARCH[arch] if not o.startswith("model.n_core")]
     return [f"data.shards={shards}", f"train.out_dir={out_dir}", f"train.steps={STEPS}", "model.vocab_size=512",
             "model.seq_len=32", "data.micro_batch_size=2", "data.global_batch_size=16", "data.val_batches=3",
             "train.val_every=1000", "train.progress=false", f"train.precision={precision}", f"parallel.tp={tp}",
-            f"parallel.pp={pp}", *CORE4, *arch_overrides]
+            f"parallel.pp={pp}", "parallel.p2p_semantics=rendezvous", *CORE4, *arch_overrides]
 
 
 def layout_runs(shards, out_dir: Path, labels) -> dict:

@@ -1,6 +1,7 @@
 """Megaloop's trainer with the ring pipeline (parallel.pp > 1) against the single-process run: parcae-tiny with 4
 core blocks, per-sequence depths (micro-batches of different lap counts, rows joining the ragged loop late),
-truncated backprop, Muon + AdamW, 8 steps, the final validation at every depth 1 .. 2 mu_rec.
+truncated backprop, Muon + AdamW, 8 steps, the final validation at every depth 1 .. 2 mu_rec; point-to-point under
+NCCL's rendezvous semantics (parallel.p2p_semantics=rendezvous, emulated on gloo).
 
 fp64 is the proof: per-step losses, final parameters (every stage's, gathered) and validation losses within 1e-12 of
 one process; both copies of the tied embedding (first and last stage) identical. fp32 is a sanity bound (losses

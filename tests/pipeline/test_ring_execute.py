@@ -19,6 +19,7 @@ from torch import nn
 
 from pipeline.ring import MicroBatch, ring_schedule, simulate
 from pipeline.ring.actions import Recv, Send
+from pipeline.ring.channels import ring_channels
 from pipeline.ring.execute import RingExecutor
 from tests.pipeline.spawn import spawn
 
@@ -131,11 +132,12 @@ def reference(specs, program=ToyProgram):
     return torch.stack(losses), {n: p.grad for n, p in model.named_parameters()}
 
 
-def run_rank(rank, pp, specs, check_messages=False, actions=None, program=ToyProgram):
+def run_rank(rank, pp, specs, channels, check_messages=False, actions=None, program=ToyProgram):
     model = ToyLoop().double()
     program = program(model, rank, pp, len(specs), batches_for(program, len(specs)))
     actions = ring_schedule(specs, pp, max_in_flight=2)[rank] if actions is None else actions
-    result = RingExecutor(program, dtype=torch.float64, check_messages=check_messages).run(actions, specs)
+    executor = RingExecutor(program, dtype=torch.float64, check_messages=check_messages, channels=channels)
+    result = executor.run(actions, specs)
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     return result, grads
 
@@ -147,12 +149,14 @@ def memory_specs(laps: int) -> list[MicroBatch]:
 
 def worker(rank, world, out):
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    result, grads = run_rank(rank, world, SPECS, check_messages=True)
-    ragged, ragged_grads = run_rank(rank, world, SPECS, program=RaggedProgram)
+    channels = ring_channels([list(range(world))], rank, "rendezvous", timeout_s=60)  # sends wait for receives
+    result, grads = run_rank(rank, world, SPECS, channels, check_messages=True)
+    ragged, ragged_grads = run_rank(rank, world, SPECS, channels, program=RaggedProgram)
     memory = {}
     for n in LAP_COUNTS:
-        got, _ = run_rank(rank, world, memory_specs(n))
+        got, _ = run_rank(rank, world, memory_specs(n), channels)
         memory[n] = (got.peak_stored, got.peak_saved_bytes)
+    channels.close()
     torch.save({"losses": result.losses, "grads": grads, "memory": memory, "ragged": ragged.losses,
                 "ragged_grads": ragged_grads}, f"{out}.{rank}")
 
@@ -193,9 +197,13 @@ class WrongShape(ToyProgram):
 
 def bad_worker(rank, world, mode, out):
     """mode 'order': rank 1's first two Recvs swapped; 'shape': rank 1's message_shape one row too many (both with
-    checked messages); 'missing': rank 0 leaves out its last Send (unchecked; the process group's timeout)."""
+    checked messages); 'missing': rank 0 leaves out its last Send (unchecked; the process group's timeout);
+    'shared': the earlier posting (every message on one group, a run of Sends and Recvs in one batch), which hangs
+    under rendezvous semantics until the process group's timeout. All under rendezvous semantics."""
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=5))
-    specs = [MicroBatch(2, 1), MicroBatch(3, 1)]
+    posting = "shared" if mode == "shared" else "directed"
+    channels = ring_channels([list(range(world))], rank, "rendezvous", posting=posting, timeout_s=5)
+    specs = SPECS if mode == "shared" else [MicroBatch(2, 1), MicroBatch(3, 1)]  # SPECS: simulate(p2p="shared") hangs
     actions = list(ring_schedule(specs, world, max_in_flight=2)[rank])
     if mode == "order" and rank == 1:
         at = [i for i, a in enumerate(actions) if isinstance(a, Recv)][:2]
@@ -204,20 +212,28 @@ def bad_worker(rank, world, mode, out):
         actions.remove([a for a in actions if isinstance(a, Send)][-1])
     program = WrongShape if mode == "shape" and rank == 1 else ToyProgram
     try:
-        run_rank(rank, world, specs, check_messages=mode != "missing", actions=actions, program=program)
+        run_rank(rank, world, specs, channels, check_messages=mode not in ("missing", "shared"), actions=actions,
+                 program=program)
     except Exception as err:  # noqa: BLE001  (the message is what the test checks)
         torch.save(f"{type(err).__name__}: {err}", f"{out}.{rank}")
         return
+    finally:
+        channels.close()
     torch.save("finished", f"{out}.{rank}")
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("mode", ["order", "shape", "missing"])
+@pytest.mark.parametrize("mode", ["order", "shape", "missing", "shared"])
 def test_mismatched_recv_fails_clearly(mode, tmp_path):
     out = str(tmp_path / "bad")
     spawn(bad_worker, 2, mode, out)
     message = torch.load(f"{out}.1")
     print(mode, "->", message)
+    if mode == "shared":  # the earlier posting hangs under rendezvous semantics until the timeout ends it
+        messages = [torch.load(f"{out}.{r}") for r in range(2)]
+        assert all(m.startswith(f"ExecutionError: rank {r}: point-to-point batch [") for r, m in enumerate(messages))
+        assert any("Timed out waiting 5000ms" in m for m in messages), messages
+        return
     assert message.startswith("ExecutionError: rank 1:") and "Recv(" in message, message
     if mode == "order":
         assert "do not follow rank 0's Send order" in message

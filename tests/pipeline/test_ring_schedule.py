@@ -86,6 +86,23 @@ def test_sends_match_recvs_in_channel_order(pp, m, mu_rec, bound):
         assert all(rank_of(msg.producer, pp) == src for msg in messages)
 
 
+@pytest.mark.parametrize("pp,m,mu_rec,bound", RING_CASES + [(2, 4, 4, 2)])
+def test_rendezvous_semantics_cannot_deadlock_the_ring_but_the_shared_posting_can(pp, m, mu_rec, bound):
+    """Under NCCL's semantics with one group per channel direction (p2p "rendezvous") a schedule runs exactly as with
+    free sends (a Send never holds up its rank; with zero latency not even the makespan changes); with every message
+    of a rank on one group, each run of Sends and Recvs one batch waited for whole (p2p "shared", the earlier
+    executor), ranks block at batches that send to each other (benchmarks/ring_schedule.py: the 27-case grid)."""
+    specs = random_specs(m, mu_rec, seed=m)
+    schedule = ring_schedule(specs, pp, bound)
+    free = simulate(schedule, specs, UNIFORM)
+    assert simulate(schedule, specs, UNIFORM, p2p="rendezvous").makespan == free.makespan
+    slow = CostModel(forward=1.0, backward=2.0, latency=0.5)
+    assert simulate(schedule, specs, slow, p2p="rendezvous").makespan >= simulate(schedule, specs, slow).makespan
+    with pytest.raises(DeadlockError, match=r"deadlock: rank \d waits at Send\(") as err:
+        simulate(schedule, specs, UNIFORM, p2p="shared")
+    assert any(isinstance(action, Send) for _, action in err.value.cycle)
+
+
 def _two_lap_schedule():
     specs = [MicroBatch(2, 1)]
     return specs, ring_schedule(specs, 2, 1)
