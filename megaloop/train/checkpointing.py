@@ -277,6 +277,7 @@ class RunCheckpoints:
 
         if not self.enabled or step == self.last_saved_step:
             return
+        self.runtime.finish_param_gather()  # the parameters read below hold their new values
         pieces, scalars = state_pieces(model, optimizer, self.runtime)
         scalars = merge_scalars(self.runtime.all_gather_object(scalars))  # every stage's parameters
         loader = data.state_dict()

@@ -46,6 +46,10 @@ class SingleProcessRuntime:
     def sum_over_dp(self, value: float) -> float:
         return value
 
+    def finish_param_gather(self) -> None:
+        """Wait for a parameter all-gather still in flight after the optimizer step (a parallel runtime's)."""
+        return None
+
     def reduce_gradients(self, model: torch.nn.Module) -> None:
         return None
 
@@ -125,6 +129,8 @@ def make_runtime(cfg, device: torch.device):
         stages = StageFunctions(parameter_names=functools.partial(stage_parameter_names, split=split),
                                 program=functools.partial(LoopedStageProgram, split=split))
         return PipelineRuntime(layout, tensor_parallel_plan(m.mlp), functions, stages, zero_stage=p.zero_stage,
-                               grad_reduce_dtype=p.grad_reduce_dtype, in_flight=p.pp_in_flight)
+                               grad_reduce_dtype=p.grad_reduce_dtype, in_flight=p.pp_in_flight,
+                               bucket_elements=p.grad_bucket_elements, overlap_param_gather=p.overlap_param_gather)
     return ParallelRuntime(layout, tensor_parallel_plan(m.mlp), functions, zero_stage=p.zero_stage,
-                           grad_reduce_dtype=p.grad_reduce_dtype)
+                           grad_reduce_dtype=p.grad_reduce_dtype, bucket_elements=p.grad_bucket_elements,
+                           overlap_param_gather=p.overlap_param_gather)

@@ -44,7 +44,7 @@ def local_step(lm, cfg, ids, labels, depth, index, global_tokens, before_last_ba
 def worker(rank: int, world: int, case: str, tp: int, overlap: bool, out_path: str) -> None:
     cfg = case_config(case)
     layout = init_layout(tp=tp, model=dims(cfg))
-    runtime = ParallelRuntime(layout, plan_for(cfg), bucket_mb=0.05)  # tiny buckets: many of them
+    runtime = ParallelRuntime(layout, plan_for(cfg), bucket_elements=8192)  # tiny buckets: many of them
     model = make_model(case)
     lm = runtime.prepare_model(model)
     ids, labels, depth = union_batch(cfg, layout.dp)
