@@ -21,6 +21,7 @@ later. In fp32 the new parameters travel; with bf16 updates (`old` given) each b
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -44,17 +45,15 @@ def _ranges(buffer: GradBuffer, width_of) -> list[_Range]:
             for i, g in enumerate(buffer.groups) for lo in range(0, g.chunk_len, width_of(g))]
 
 
-def _last_ranges(ranges: list[_Range]) -> dict[int, int]:
-    """id(parameter) -> index of the LAST range holding any of its elements (waiting for it waits for all)."""
-    last = {}
+def _param_ranges(ranges: list[_Range]) -> dict[int, list[int]]:
+    """id(parameter) -> indices of the ranges holding any of its elements."""
+    out: dict[int, list[int]] = {}
     for k, r in enumerate(ranges):
         g = r.group
         for p, off in zip(g.params, g.offsets):
-            for chunk in range(g.dp):
-                a, b = chunk * g.chunk_len + r.lo, chunk * g.chunk_len + r.hi
-                if off < b and off + p.numel() > a:
-                    last[id(p)] = k
-    return last
+            if any(off < c * g.chunk_len + r.hi and off + p.numel() > c * g.chunk_len + r.lo for c in range(g.dp)):
+                out.setdefault(id(p), []).append(k)
+    return out
 
 
 class ParamGather:
@@ -64,12 +63,13 @@ class ParamGather:
     def __init__(self, buffer: GradBuffer, group, width_of, max_in_flight: int = 2):
         self.buffer, self.group, self.max_in_flight = buffer, group, max_in_flight
         self.ranges = _ranges(buffer, width_of)
-        self._last_range = _last_ranges(self.ranges)
+        self._of_param = _param_ranges(self.ranges)
+        self.order = list(range(len(self.ranges)))  # launch order (attach: by first use in the forward)
         self._old: list[torch.Tensor] | None = None
         self._next_launch = self._next_finish = len(self.ranges)  # nothing pending
         self._hooks = []
         self.poison = False
-        self.wait_s = 0.0  # seconds spent waiting on gathers (benchmarks read it)
+        self.busy_s = 0.0  # seconds this process spent inside the gather's calls, launching and waiting
 
     # ---- the step's gather ----------------------------------------------------------------------------------
     @property
@@ -81,6 +81,7 @@ class ParamGather:
         """Launch the first buckets of the gather of the chunks just updated (old: the chunks before the update,
         per dtype group, for bf16 updates). The rest follow in wait_for / finish."""
         self.finish()  # a previous gather never overlaps this one
+        t0 = time.perf_counter()
         self._old = old
         self._next_launch = self._next_finish = 0
         if self.poison and old is None:
@@ -90,6 +91,7 @@ class ParamGather:
                 view[self.buffer.rank + 1:] = float("nan")
         while self._next_launch < min(self.max_in_flight, len(self.ranges)):
             self._launch_next()
+        self.busy_s += time.perf_counter() - t0
 
     @torch.no_grad()
     def run(self, old: list[torch.Tensor] | None = None) -> None:
@@ -99,11 +101,9 @@ class ParamGather:
 
     @torch.no_grad()
     def wait_for(self, last: int) -> None:
-        """Finish every range up to and including index `last`, launching the ones before it as needed."""
+        """Finish the ranges up to and including position `last` of the launch order, launching as needed."""
         if last < self._next_finish:
             return
-        import time
-
         t0 = time.perf_counter()
         while self._next_finish <= last:
             while self._next_launch <= last and self._next_launch - self._next_finish < self.max_in_flight:
@@ -111,7 +111,7 @@ class ParamGather:
             self._finish_next()
         while self._next_launch < len(self.ranges) and self._next_launch - self._next_finish < self.max_in_flight:
             self._launch_next()  # keep the next buckets on the wire while the forward runs
-        self.wait_s += time.perf_counter() - t0
+        self.busy_s += time.perf_counter() - t0
 
     def finish(self) -> None:
         """Wait for the whole gather (nothing happens when none is pending)."""
@@ -119,7 +119,7 @@ class ParamGather:
         self._old = None
 
     def _launch_next(self) -> None:
-        r = self.ranges[self._next_launch]
+        r = self.ranges[self.order[self._next_launch]]
         self._next_launch += 1
         g, rank = r.group, self.buffer.rank
         params = g.param_flat.view(g.dp, g.chunk_len)
@@ -137,7 +137,7 @@ class ParamGather:
             r.work = dist.all_gather_single(r.received.view(-1), mine, group=self.group, async_op=True)
 
     def _finish_next(self) -> None:
-        r = self.ranges[self._next_finish]
+        r = self.ranges[self.order[self._next_finish]]
         self._next_finish += 1
         r.work.wait()
         r.work = None
@@ -153,13 +153,21 @@ class ParamGather:
     # ---- waits in the forward -------------------------------------------------------------------------------
     def attach(self, model: torch.nn.Module) -> None:
         """Forward pre-hooks on the modules of `model` that hold parameters of the buffer (the root: its own
-        parameters only, or the first module call would wait for everything)."""
+        parameters only, or the first module call would wait for everything), and the launch order: the ranges
+        in the order the modules (in model.modules() order, the forward's for the models here) first need them,
+        so a module waits only for the ranges before its own in that order. Every rank computes the same order."""
         self.detach()
+        needs = []
         for module in model.modules():
             params = module.parameters(recurse=module is not model)
-            last = max((self._last_range[id(p)] for p in params if id(p) in self._last_range), default=None)
-            if last is not None:
-                self._hooks.append(module.register_forward_pre_hook(self._hook(last)))
+            mine = sorted({k for p in params for k in self._of_param.get(id(p), [])})
+            if mine:
+                needs.append((module, mine))
+        first_use = list(dict.fromkeys(k for _, mine in needs for k in mine))
+        self.order = first_use + [k for k in range(len(self.ranges)) if k not in set(first_use)]
+        position = {k: i for i, k in enumerate(self.order)}
+        for module, mine in needs:
+            self._hooks.append(module.register_forward_pre_hook(self._hook(max(position[k] for k in mine))))
 
     def _hook(self, last: int):
         @torch.compiler.disable
