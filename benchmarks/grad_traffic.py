@@ -113,6 +113,7 @@ def measure_step(dp: int, wire: str, zero_stage: int = 1) -> dict:
         with counter.counting():
             runtime.reduce_gradients(model)
             record = opt.step(0)
+            runtime.finish_param_gather()  # the step's all-gather (overlapped with a next forward that is not run)
         update = torch.cat([p.detach().reshape(-1) for p in model.parameters()]) - before
         replicas = runtime.all_gather_object(hashlib.sha256(update.numpy().tobytes()).hexdigest())
         n = runtime.dp_size

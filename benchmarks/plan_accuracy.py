@@ -42,6 +42,12 @@ CASES = {
     "parcae-tiny": ("configs/parcae-tiny.yaml", 1, []),
     "parcae-tiny dp2": ("configs/parcae-tiny.yaml", 2, ["parallel.dp=2"]),
     "parcae-tiny tp2": ("configs/parcae-tiny.yaml", 2, ["parallel.tp=2"]),
+    "parcae-tiny dp4": ("configs/parcae-tiny.yaml", 4, ["parallel.dp=4", "data.micro_batch_size=4",
+                                                       "train.precision=fp32"]),
+    # several buckets per chunk: the reducer's and the overlapped all-gather's copies in flight are planned
+    "parcae-tiny dp4 buckets": ("configs/parcae-tiny.yaml", 4, ["parallel.dp=4", "data.micro_batch_size=4",
+                                                               "train.precision=fp32",
+                                                               "parallel.grad_bucket_elements=262144"]),
     "parcae-140m seq128": ("configs/parcae-140m.yaml", 1, ["model.seq_len=128", "data.micro_batch_size=2",
                                                            "data.global_batch_size=4"]),
 }
@@ -104,7 +110,8 @@ def _measure_rank(rank: int, world: int, port: int, path: str, overrides: list[s
 
     if how == "rss":
         run(1)  # libraries' one-time memory (kernels, thread pools, gloo buffers) before the baseline
-        for name in ("model", "buffer", "reducer", "_parts"):  # the runtime's hold on the warm-up's model
+        runtime.finish_param_gather()
+        for name in ("model", "_buffer", "_reducer", "_parts"):  # the runtime's hold on the warm-up's model
             if hasattr(runtime, name):
                 setattr(runtime, name, None)
         gc.collect()

@@ -60,6 +60,8 @@ def measure(rank: int, world: int, d_model: int, vocab: int) -> dict:
             reset_peak()
         runtime.reduce_gradients(model)
         opt.step(step)
+        if hasattr(runtime, "finish_param_gather"):
+            runtime.finish_param_gather()  # the step's all-gather, else left to a next forward not run here
         opt.zero_grad()
     peak = status_mb("VmHWM")
     state = sum(_state_bytes(o) for o in (opt.muon, opt.adamw))

@@ -21,6 +21,17 @@ micro-batch's backward) a bucket is launched as soon as all of its parameters' p
 same collectives in the same order whatever order its own graph finished them in. A parameter that got no gradient
 in that backward simply leaves its bucket to :meth:`reduce`. The sum (not the mean) is taken: the trainer divides
 each rank's loss by the global token count, so the sum over ranks is the gradient of the global token mean.
+
+Bucket size: `bucket_elements` over all chunks, by default max(40M, 1M x dp) elements (:func:`default_bucket_elements`):
+fixed-size buckets would make the per-rank piece of each collective shrink as 1/dp until the calls are
+latency-bound. At most `max_in_flight` launched buckets are unfinished at a time (:data:`MAX_IN_FLIGHT`): a bucket
+spanning several column ranges is copied for its collective, and that copy lives until the collective is waited
+on, so without a bound the buckets launched during the last backward would hold up to a whole gradient more. The
+memory planner counts these copies (megaloop/plan/static.py uses the same functions).
+
+:meth:`BufferReducer.reduce` first checks that every parameter's .grad is still the view of the buffer it was
+given (one data_ptr comparison per parameter): a .grad replaced by another tensor (set to None and re-created by
+autograd, or assigned) would leave the buffer, and so the reduction, without that parameter's gradient.
 """
 from __future__ import annotations
 
@@ -31,7 +42,9 @@ import torch.distributed as dist
 
 from pipeline.grad_buffer import FlatGroup, GradBuffer
 
-DEFAULT_BUCKET_MB = 25.0
+MIN_BUCKET_ELEMENTS = 40_000_000  # elements per bucket at small dp
+BUCKET_ELEMENTS_PER_RANK = 1_000_000  # ... and per data-parallel rank at large dp
+MAX_IN_FLIGHT = 2  # launched, unfinished buckets at most (each may hold a copy of its columns)
 WIRE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # None: the gradient's own dtype
 
 
@@ -54,16 +67,31 @@ def _columns(group: FlatGroup, index: int) -> list[tuple[int, int]]:
             for r in range(off // length, (off + n - 1) // length + 1)]
 
 
-def column_width(group: FlatGroup, bucket_bytes: float) -> int:
-    """Columns per bucket: about bucket_bytes over all chunks of the group."""
-    return max(1, int(bucket_bytes // (group.grad_flat.element_size() * group.dp)))
+def default_bucket_elements(dp: int) -> int:
+    """Elements per bucket over all chunks: max(40M, 1M x dp), so each rank's piece stays >= 1M elements."""
+    return max(MIN_BUCKET_ELEMENTS, BUCKET_ELEMENTS_PER_RANK * dp)
 
 
-def make_buckets(buffer: GradBuffer, bucket_bytes: float) -> list[_Bucket]:
-    """Column-range buckets of at most about bucket_bytes each (over all chunks), per dtype group."""
+def bucket_columns(chunk_len: int, dp: int, bucket_elements: int) -> int:
+    """Columns per bucket of a group chunked dp ways: about bucket_elements over all chunks (at most chunk_len)."""
+    return max(1, min(chunk_len, bucket_elements // dp))
+
+
+def bucket_count(chunk_len: int, dp: int, bucket_elements: int) -> int:
+    """Buckets (collectives per reduction) of one dtype group."""
+    return -(-chunk_len // bucket_columns(chunk_len, dp, bucket_elements))
+
+
+def column_width(group: FlatGroup, bucket_elements: int) -> int:
+    """Columns per bucket of `group`."""
+    return bucket_columns(group.chunk_len, group.dp, bucket_elements)
+
+
+def make_buckets(buffer: GradBuffer, bucket_elements: int) -> list[_Bucket]:
+    """Column-range buckets of about bucket_elements each (over all chunks), per dtype group."""
     buckets = []
     for group in buffer.groups:
-        width = column_width(group, bucket_bytes)
+        width = column_width(group, bucket_elements)
         first = len(buckets)
         buckets += [_Bucket(group, lo, min(lo + width, group.chunk_len))
                     for lo in range(0, group.chunk_len, width)]
@@ -77,20 +105,28 @@ def make_buckets(buffer: GradBuffer, bucket_bytes: float) -> list[_Bucket]:
 class BufferReducer:
     """Sum the buffer's gradients over `group` (None: nothing to do) in buckets; see the module docstring."""
 
-    def __init__(self, buffer: GradBuffer, group, bucket_mb: float = DEFAULT_BUCKET_MB, wire: str = "fp32"):
+    def __init__(self, buffer: GradBuffer, group, bucket_elements: int | None = None, wire: str = "fp32",
+                 max_in_flight: int = MAX_IN_FLIGHT):
         if wire not in WIRE_DTYPES:
             raise ValueError(f"gradient reduction dtype {wire!r}: use one of {sorted(WIRE_DTYPES)}")
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight={max_in_flight}: at least one bucket must be in flight")
         self.buffer, self.group = buffer, group
         self.wire_dtype = WIRE_DTYPES[wire]
         self.scatter = buffer.dp > 1
-        self.bucket_bytes = bucket_mb * 2**20
-        self.buckets = make_buckets(buffer, self.bucket_bytes)
+        dp = group.size() if group is not None else 1
+        self.bucket_elements = bucket_elements or default_bucket_elements(dp)
+        self.max_in_flight = max_in_flight
+        self.buckets = make_buckets(buffer, self.bucket_elements)
+        self._grad_views = [(name, p, g.grad_flat[off:off + p.numel()].data_ptr())
+                            for g in buffer.groups for name, p, off in zip(g.names, g.params, g.offsets)]
         self._buckets_of: dict[int, list[_Bucket]] = {}
         for b in self.buckets:
             for pid in b.members:
                 self._buckets_of.setdefault(pid, []).append(b)
         self._armed = False
         self._next_launch = 0
+        self._next_finish = 0  # buckets before it are finished (launched ones from it to _next_launch are not)
         self.launched_in_backward = 0  # buckets of the last step launched while the backward was still running
         self._hooks = []
         if group is not None:
@@ -98,7 +134,7 @@ class BufferReducer:
 
     def bucket_width(self, group: FlatGroup) -> int:
         """Columns per bucket of a dtype group (its all-gather uses the same ranges)."""
-        return column_width(group, self.bucket_bytes)
+        return column_width(group, self.bucket_elements)
 
     # ---- overlap --------------------------------------------------------------------------------------------
     def overlap_next_backward(self) -> None:
@@ -125,6 +161,9 @@ class BufferReducer:
 
     def _launch_ready_in_order(self) -> None:
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].ready:
+            if self._next_launch - self._next_finish >= self.max_in_flight:  # bound the copies alive
+                self._finish(self.buckets[self._next_finish])
+                self._next_finish += 1
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
             self.launched_in_backward += 1
@@ -164,18 +203,29 @@ class BufferReducer:
         """Finish the step's reduction: wait for the buckets launched during the backward, then reduce the others
         one at a time in bucket order (so that at most one bucket's wire copy is alive: a bucket spanning several
         column ranges is copied to a contiguous [dp, width] tensor for the collective)."""
+        self.check_grad_views()  # also without a group: the optimizer and the clip read the buffer
         if self.group is None:
             return
-        for bucket in self.buckets[:self._next_launch]:
+        for bucket in self.buckets[self._next_finish:self._next_launch]:
             self._finish(bucket)
         for bucket in self.buckets[self._next_launch:]:
             self._launch(bucket)
             self._finish(bucket)
         self._reset()
 
+    def check_grad_views(self) -> None:
+        """Raise if a parameter's .grad is no longer its view of the buffer (one data_ptr check each)."""
+        for name, p, ptr in self._grad_views:
+            if p.grad is None or p.grad.data_ptr() != ptr:
+                what = "is None" if p.grad is None else "is a tensor outside the gradient buffer"
+                raise RuntimeError(f"parameter {name!r}: its .grad {what}, so the data-parallel reduction would "
+                                   "miss its gradient; zero gradients with optimizer.zero_grad() (in place) and "
+                                   "never assign or set .grad to None")
+
     def _reset(self) -> None:
         self._armed = False
         self._next_launch = 0
+        self._next_finish = 0
         for b in self.buckets:
             b.pending, b.ready, b.work, b.wire = 0, False, None, None
 

@@ -10,20 +10,23 @@ what depends on the layout:
   turns their sum of squares into the global one: one scalar all-reduce over dp, then tp and pp, with parameters
   replicated over tp counted on tp rank 0 only;
 - :meth:`begin_update` / :meth:`end_update` bracket the inner steps: end_update runs the all-gather per dtype of
-  the updated chunks (one call while a gradient bucket holds a whole chunk, else one per bucket-sized column range).
-  With gradient reduction in fp32 it carries the new parameters (exact); in bf16 it carries the updates
-  (new - old) in bf16, which every rank, the owner included, adds to its old values, so replicas stay bit-identical
-  while the all-gather moves half the bytes;
+  the updated chunks (one call while a gradient bucket holds a whole chunk, else one per bucket-sized column range;
+  pipeline/param_gather.py). With gradient reduction in fp32 it carries the new parameters (exact); in bf16 it
+  carries the updates (new - old) in bf16, which every rank, the owner included, adds to its old values, so
+  replicas stay bit-identical while the all-gather moves half the bytes. With the runtime's overlap_param_gather
+  (the default) end_update only launches the first buckets: the next forward waits for each bucket just before
+  its first module that uses it, and :meth:`finish_update` waits for the rest (the runtime calls it before the
+  first backward, evaluation and checkpoint saves; begin_update calls it too);
 - :meth:`zero_grad` zeroes the buffer in place (the .grad views stay attached).
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from pipeline.dist_muon import DistributedMuon
 from pipeline.grad_buffer import GradBuffer
 from pipeline.grad_norm import counted_grad_views, reduce_norm_sq
+from pipeline.param_gather import ParamGather
 from pipeline.zero import ZeroAdamW
 
 
@@ -38,8 +41,9 @@ class OptimizerParts:
         self.shard_group = layout.dp_group if self.sharded else None
         self.bf16_updates = self.sharded and runtime.grad_reduce_dtype == "bf16"
         self.buffer: GradBuffer | None = None
+        self.gather: ParamGather | None = None
         self.counted: list[torch.Tensor] = []
-        self._old: list[torch.Tensor] = []
+        self._old: list[torch.Tensor] | None = None
 
     def build(self, muon_named, adamw_named, muon_hyper: dict, adamw_hyper: dict):
         """(muon, adamw) for the two groups of (name, parameter) (None for an empty group); lays out the buffer."""
@@ -54,6 +58,11 @@ class OptimizerParts:
         dp, rank = (layout.dp, layout.dp_rank) if self.sharded else (1, 0)
         self.buffer = GradBuffer(list(muon_named) + list(adamw_named), dp, rank, owners)
         rt.use_buffer(self.buffer)
+        if self.sharded:
+            reducer = rt.reducer
+            self.gather = ParamGather(self.buffer, self.shard_group, reducer.bucket_width, reducer.max_in_flight)
+            if rt.overlap_param_gather:
+                self.gather.attach(rt.model)
         self.counted = counted_grad_views(self.buffer, rt.tp_info.shards, layout.tp, layout.tp_rank,
                                           exclude=rt.uncounted_names())
         adamw = None
@@ -72,40 +81,26 @@ class OptimizerParts:
 
     @torch.no_grad()
     def begin_update(self) -> None:
+        self.finish_update()  # the previous step's gather (its parameters are read and written now)
         if self.bf16_updates:
             self._old = [g.chunk(g.param_flat, self.buffer.rank).clone() for g in self.buffer.groups]
 
     @torch.no_grad()
     def end_update(self) -> None:
-        """The all-gather per dtype of the updated chunks (nothing without sharding), in column ranges of at most
-        the reducer's bucket size: one call when a bucket holds the whole chunk (then in place), else one per range
-        through a range-sized buffer, so no step holds a full-size copy on any backend."""
+        """The all-gather of the updated chunks (nothing without sharding), in the reducer's column ranges: only
+        launched with overlap_param_gather (see the module docstring), else finished before returning."""
         if not self.sharded:
             return
-        width = self.runtime.reducer.bucket_width
-        for index, g in enumerate(self.buffer.groups):
-            for lo in range(0, g.chunk_len, width(g)):
-                self._gather_columns(g, index, lo, min(lo + width(g), g.chunk_len))
-        self._old = []
+        if self.runtime.overlap_param_gather:
+            self.gather.start(self._old)
+        else:
+            self.gather.run(self._old)
+        self._old = None
 
-    def _gather_columns(self, g, index: int, lo: int, hi: int) -> None:
-        rank, group = self.buffer.rank, self.shard_group
-        params = g.param_flat.view(g.dp, g.chunk_len)
-        mine = params[rank, lo:hi]
-        if not self.bf16_updates:
-            if hi - lo == g.chunk_len:
-                dist.all_gather_single(g.param_flat, mine, group=group)
-                return
-            gathered = torch.empty((g.dp, hi - lo), dtype=mine.dtype, device=mine.device)
-            dist.all_gather_single(gathered.view(-1), mine, group=group)
-            params[:, lo:hi].copy_(gathered)
-            return
-        old = self._old[index][lo:hi]
-        delta = (mine - old).to(torch.bfloat16)
-        mine.copy_(old)  # every rank, the owner too, adds the same bf16 delta to the same old values
-        deltas = torch.empty((g.dp, hi - lo), dtype=torch.bfloat16, device=mine.device)
-        dist.all_gather_single(deltas.view(-1), delta, group=group)
-        params[:, lo:hi].add_(deltas)
+    def finish_update(self) -> None:
+        """Wait for the parameter all-gather still in flight, if any: every parameter holds its new value after."""
+        if self.gather is not None:
+            self.gather.finish()
 
     def zero_grad(self) -> None:
         self.buffer.zero_grad()

@@ -111,8 +111,10 @@ class PipelineRuntime(ParallelRuntime):
 
     def __init__(self, layout, tp_plan, muon_functions, stage_functions: StageFunctions, zero_stage: int = 1,
                  grad_reduce_dtype: str = "fp32", in_flight: int = 3, check_messages: bool = False,
-                 p2p_semantics: str = "auto", timeout_s: float = 600.0):
-        super().__init__(layout, tp_plan, muon_functions, zero_stage=zero_stage, grad_reduce_dtype=grad_reduce_dtype)
+                 p2p_semantics: str = "auto", timeout_s: float = 600.0, bucket_elements: int | None = None,
+                 overlap_param_gather: bool = True):
+        super().__init__(layout, tp_plan, muon_functions, zero_stage=zero_stage, bucket_elements=bucket_elements,
+                         grad_reduce_dtype=grad_reduce_dtype, overlap_param_gather=overlap_param_gather)
         self.stage_functions = stage_functions
         self.in_flight = in_flight
         self.check_messages = check_messages
@@ -163,7 +165,9 @@ class PipelineRuntime(ParallelRuntime):
                           timer=None) -> list:
         """The step's micro-batches through the ring schedule (forward and backward interleaved: the timer's
         "forward" span is the whole run). Results: each micro-batch's unscaled loss (zero on all but the last
-        stage) and telemetry (each value from the stage that computes it, zero elsewhere)."""
+        stage) and telemetry (each value from the stage that computes it, zero elsewhere). The overlapped parameter
+        all-gather is finished first: a stage program reads weights outside their modules' calls (the tied head)."""
+        self.finish_param_gather()
         timer = timer or NoTimer()
         t0 = timer.mark()
         program = self._program(model, micro_batches, scales, autocast)
@@ -211,6 +215,7 @@ class PipelineRuntime(ParallelRuntime):
     def forward_losses(self, model: PipelineStage, micro_batches, autocast=contextlib.nullcontext) -> list[float]:
         """Each micro-batch's mean token loss (no backward), on every rank: pp micro-batches at a time around the
         ring (forward_orders), the last stage's losses broadcast over the pp group."""
+        self.finish_param_gather()
         losses = torch.zeros(len(micro_batches), dtype=torch.float64)
         for lo in range(0, len(micro_batches), self.pp):
             group = list(micro_batches[lo:lo + self.pp])

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.collectives import all_reduce_
-from pipeline.data_parallel import DEFAULT_BUCKET_MB, BufferReducer
+from pipeline.data_parallel import BufferReducer
 from pipeline.dist_muon import MuonFunctions
 from pipeline.grad_buffer import GradBuffer, flat_all_reduce_
 from pipeline.layout import ParallelLayout, destroy_layout
@@ -39,7 +39,8 @@ class ParallelRuntime:
     runs_pipeline = False
 
     def __init__(self, layout: ParallelLayout, tp_plan, muon_functions: MuonFunctions | None = None,
-                 zero_stage: int = 1, bucket_mb: float = DEFAULT_BUCKET_MB, grad_reduce_dtype: str = "fp32"):
+                 zero_stage: int = 1, bucket_elements: int | None = None, grad_reduce_dtype: str = "fp32",
+                 overlap_param_gather: bool = True):
         if layout.pp > 1 and not self.runs_pipeline:
             raise ValueError("a layout with pp > 1 runs on pipeline.pipeline_runtime.PipelineRuntime")
         if zero_stage not in (0, 1):
@@ -49,7 +50,8 @@ class ParallelRuntime:
         self.tp_plan = tp_plan
         self.muon_functions = muon_functions
         self.zero_stage = zero_stage
-        self.bucket_mb = bucket_mb
+        self.bucket_elements = bucket_elements  # None: max(40M, 1M x dp) (pipeline.data_parallel)
+        self.overlap_param_gather = overlap_param_gather
         self.grad_reduce_dtype = grad_reduce_dtype
         self.model: torch.nn.Module | None = None
         self.tp_info = TensorParallelInfo()
@@ -110,7 +112,7 @@ class ParallelRuntime:
         self._drop_reducer()
         self._buffer, self._deferred = buffer, None
         group = self.layout.dp_group if self.layout.dp > 1 else None
-        self._reducer = BufferReducer(buffer, group, self.bucket_mb, self.grad_reduce_dtype)
+        self._reducer = BufferReducer(buffer, group, self.bucket_elements, self.grad_reduce_dtype)
 
     @property
     def buffer(self) -> GradBuffer | None:
@@ -142,13 +144,22 @@ class ParallelRuntime:
 
     def forward_losses(self, model, micro_batches, autocast=contextlib.nullcontext) -> list[float]:
         """Each micro-batch's mean token loss, without backward (validation)."""
+        self.finish_param_gather()
         return plain_forward_losses(model, micro_batches, autocast)
 
     def backward(self, loss: torch.Tensor) -> None:
         """One micro-batch's backward into the gradient buffer (the DeepSpeed runtime routes it through its
-        engine)."""
+        engine). The parameter all-gather still in flight is finished first: the reduction's collectives follow
+        it on the same group, in the same order on every rank."""
         self._lay_out_deferred()
+        self.finish_param_gather()
         loss.backward()
+
+    def finish_param_gather(self) -> None:
+        """Wait for the overlapped ZeRO-1 parameter all-gather (pipeline/param_gather.py), if one is in flight:
+        before reading parameters outside a forward (checkpoint saves) and before other collectives of the group."""
+        if self._parts is not None:
+            self._parts.finish_update()
 
     def overlap_next_backward(self) -> None:
         """Reduce gradient buckets during the coming backward; call just before the step's last backward."""
@@ -249,6 +260,8 @@ class ParallelRuntime:
         facts only), then tear the groups down (see destroy_layout). The caller frees the model and optimizer
         first: tensor-parallel layers and distributed optimizers hold groups too."""
         self._drop_reducer()
+        if self._parts is not None and self._parts.gather is not None:
+            self._parts.gather.detach()
         self.model = self._buffer = self._deferred = self._parts = None
         self.tp_info = TensorParallelInfo()
         self.layout = self.layout.without_groups()

@@ -29,6 +29,8 @@ class ParallelConfig:
     #                                one group's batches run in order, so CPU runs hang where NCCL would)
     timeout_s: float = 600.0  # a collective waiting longer fails the job (a lost rank must not hang the others)
     grad_reduce_dtype: str = "fp32"  # fp32: gradients cross the wire in their own dtype | bf16: cast for the wire
+    grad_bucket_elements: int | None = None  # elements per dp reduction/all-gather bucket; None: max(40M, 1M x dp)
+    overlap_param_gather: bool = True  # ZeRO-1: the parameter all-gather runs under the next step's forward
     dp_balance: str | None = None  # depth: deal sequences to dp ranks by loop work | rows: equal rows (None: depth,
     #                                 rows under the DeepSpeed engine, whose accumulation count is fixed)
 
@@ -47,6 +49,9 @@ class ParallelConfig:
             check_choice("parallel.pp_message_dtype", self.pp_message_dtype, ("fp32", "bf16"))
         if self.dp_balance is not None:
             check_choice("parallel.dp_balance", self.dp_balance, ("depth", "rows"))
+        if self.grad_bucket_elements is not None and self.grad_bucket_elements < 1:
+            raise ConfigError("parallel.grad_bucket_elements", self.grad_bucket_elements,
+                              "must be >= 1 or null (max(40M, 1M x dp) elements)")
         if not self.timeout_s > 0:
             raise ConfigError("parallel.timeout_s", self.timeout_s, "must be > 0 seconds")
         if self.zero_stage not in (0, 1, 2, 3):

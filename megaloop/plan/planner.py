@@ -51,7 +51,7 @@ class MicroBatchPlan:
 
     @property
     def peak(self) -> int:
-        return self.static.persistent + max(self.activations.peak, self.step_phase)
+        return self.static.persistent + max(self.activations.peak + self.static.dp_in_flight, self.step_phase)
 
     def terms(self) -> list[MemoryTerm]:
         s, a = self.static, self.activations
@@ -65,6 +65,8 @@ class MicroBatchPlan:
             MemoryTerm("activations: logits + softmax", a.logits, "fp32 [b, s, V/tp] and the saved softmax"),
             MemoryTerm("activations: bf16 weight copies", a.weight_copies),
             MemoryTerm("activations: largest transient", a.transient, _transient_note(a)),
+            MemoryTerm("data-parallel buckets in flight", s.dp_in_flight, "reducer copies in the last backward, "
+                       "parameter all-gather in the next forward"),
             MemoryTerm("optimizer step working memory", self.step_phase, "after backward, with the last "
                        "logits; counted when larger than the activations"),
         ]
@@ -93,7 +95,7 @@ class Plan:
     def at(self, micro_batch: int, checkpointing: str | None = None) -> MicroBatchPlan:
         ck = checkpointing or self.cfg.train.activation_checkpointing
         static = static_terms(list(self.params), self.layout, self.cfg.train.precision,
-                              self.cfg.parallel.zero_offload)
+                              self.cfg.parallel.zero_offload, self.cfg.parallel.grad_bucket_elements)
         rows = self.cfg.data.global_batch_size // self.layout.dp  # this rank's sequences per step
         acts = activation_terms(self.cfg, micro_batch, self.layout.tp, self.layout.sp, ck, self.params,
                                 micro_batches=-(-rows // micro_batch))

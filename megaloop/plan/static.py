@@ -12,7 +12,12 @@ optimizer step's own working memory.
                this rank's chunk of the gradient buffer (pipeline/grad_buffer.py: dp equal chunks, each holding
                its owner's Muon matrices whole and AdamW elements in the rest); DeepSpeed: 1/dp plus its fp32
                partition (on the CPU with parallel.zero_offload)
-  step working the optimizer step's largest temporaries: the data-parallel reduction's copy of the gradients,
+  dp in flight the data-parallel buckets alive at once (pipeline/data_parallel.py): at most MAX_IN_FLIGHT
+               buckets of max(40M, 1M x dp) elements (parallel.grad_bucket_elements) in the parameter dtype, a
+               copy each when a bucket is a column range narrower than the chunk (none when one bucket holds the
+               chunk); the reducer's during the last backward, the parameter all-gather's during the next forward
+               (overlap_param_gather), so they are counted on top of the activations
+  step working the optimizer step's largest temporaries: the data-parallel reduction's buckets in flight,
                the AdamW step over this rank's chunk, the distributed Muon's gathered gradients and updates (up to
                one copy of the local Muon matrices) and Polar Express on the largest matrix
 """
@@ -21,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megaloop.plan.layout import Layout, LocalParam
+from pipeline.data_parallel import MAX_IN_FLIGHT, bucket_columns, default_bucket_elements
 from pipeline.dist_muon import assign_owners
 
 DEEPSPEED_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's default reduce/allgather bucket (elements)
@@ -34,6 +40,7 @@ class StaticTerms:
     muon: int
     adamw: int
     step_working: int
+    dp_in_flight: int = 0  # bucket copies alive during the backward / the next forward
 
     @property
     def persistent(self) -> int:
@@ -71,7 +78,20 @@ def optimizer_state_elements(params: list[LocalParam], layout: Layout) -> tuple[
     return max(ranks, key=sum)
 
 
-def static_terms(params: list[LocalParam], layout: Layout, precision: str, offload: bool = False) -> StaticTerms:
+def dp_in_flight_bytes(n_local: int, layout: Layout, element_bytes: int, bucket_elements: int | None = None) -> int:
+    """Bytes of the data-parallel bucket copies alive at once (see the module docstring)."""
+    if layout.dp == 1:
+        return 0
+    chunks = layout.dp if layout.zero_stage >= 1 else 1  # stage 0: one chunk, all-reduced in place
+    chunk_len = _ceil_div(n_local, chunks)
+    width = bucket_columns(chunk_len, chunks, bucket_elements or default_bucket_elements(layout.dp))
+    if width >= chunk_len:
+        return 0
+    return MAX_IN_FLIGHT * element_bytes * width * chunks
+
+
+def static_terms(params: list[LocalParam], layout: Layout, precision: str, offload: bool = False,
+                 bucket_elements: int | None = None) -> StaticTerms:
     """The micro-batch-independent memory of the most loaded rank (see the module docstring)."""
     pb = 8 if precision == "fp64" else 4
     n_local = sum(p.local_numel for p in params)
@@ -83,13 +103,14 @@ def static_terms(params: list[LocalParam], layout: Layout, precision: str, offlo
         return _deepspeed_terms(n_local, layout, offload, largest_param=max(p.full_numel for p in params))
     muon, adamw = optimizer_state_elements(params, layout)
     zero1 = layout.zero_stage >= 1 and layout.dp > 1
-    working = pb * n_local if layout.dp > 1 else 0  # the data-parallel reduction's copy of the gradients
+    in_flight = dp_in_flight_bytes(n_local, layout, pb, bucket_elements)
+    working = in_flight  # the data-parallel reduction's bucket copies
     if zero1:
         working = max(working, 2 * pb * _ceil_div(n_adamw, layout.dp))
     distributed_muon = muon and (layout.tp > 1 or zero1)
     working = max(working, (pb * n_muon if distributed_muon else 0) + polar)
     return StaticTerms(params=pb * n_local, grads=pb * n_local, muon=pb * muon, adamw=pb * adamw,
-                       step_working=working)
+                       step_working=working, dp_in_flight=in_flight)
 
 
 def _deepspeed_terms(n: int, layout: Layout, offload: bool, largest_param: int) -> StaticTerms:

@@ -307,6 +307,7 @@ class RunCheckpoints:
 
         if not self.enabled or step == self.last_saved_step:
             return
+        self.runtime.finish_param_gather()  # the parameters read below hold their new values
         pieces, scalars = state_pieces(model, optimizer, self.runtime)
         refuse = None
         per_rank = self.runtime.gather_object(scalars)  # every stage's parameters, on rank 0 (which writes metadata)

@@ -46,6 +46,10 @@ class SingleProcessRuntime:
     def sum_over_dp(self, value: float) -> float:
         return value
 
+    def finish_param_gather(self) -> None:
+        """Wait for a parameter all-gather still in flight after the optimizer step (a parallel runtime's)."""
+        return None
+
     def reduce_gradients(self, model: torch.nn.Module) -> None:
         return None
 
@@ -133,9 +137,11 @@ def make_runtime(cfg, device: torch.device):
                                                           message_dtype=message_dtype(cfg)))
         return PipelineRuntime(layout, tensor_parallel_plan(m.mlp), functions, stages, zero_stage=p.zero_stage,
                                grad_reduce_dtype=p.grad_reduce_dtype, in_flight=p.pp_in_flight,
-                               p2p_semantics=p.p2p_semantics, timeout_s=p.timeout_s)
+                               p2p_semantics=p.p2p_semantics, timeout_s=p.timeout_s,
+                               bucket_elements=p.grad_bucket_elements, overlap_param_gather=p.overlap_param_gather)
     return ParallelRuntime(layout, tensor_parallel_plan(m.mlp), functions, zero_stage=p.zero_stage,
-                           grad_reduce_dtype=p.grad_reduce_dtype)
+                           grad_reduce_dtype=p.grad_reduce_dtype, bucket_elements=p.grad_bucket_elements,
+                           overlap_param_gather=p.overlap_param_gather)
 
 
 MESSAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -44,7 +44,7 @@ def local_step(lm, cfg, ids, labels, depth, index, global_tokens, before_last_ba
 def worker(rank: int, world: int, case: str, tp: int, overlap: bool, out_path: str) -> None:
     cfg = case_config(case)
     layout = init_layout(tp=tp, model=dims(cfg))
-    runtime = ParallelRuntime(layout, plan_for(cfg), bucket_mb=0.05)  # tiny buckets: many of them
+    runtime = ParallelRuntime(layout, plan_for(cfg), bucket_elements=8192)  # tiny buckets: many of them
     model = make_model(case)
     lm = runtime.prepare_model(model)
     ids, labels, depth = union_batch(cfg, layout.dp)
@@ -61,3 +61,36 @@ def worker(rank: int, world: int, case: str, tp: int, overlap: bool, out_path: s
         torch.save({"grads": grads, "buckets": len(runtime.reducer.buckets),
                     "overlapped": runtime.reducer.launched_in_backward,
                     "depths": depth.tolist()}, out_path)
+
+
+def overlap_worker(rank: int, world: int, out_path: str, steps: int = 2) -> None:
+    """ZeRO-1 training steps with the parameter all-gather overlapped (the stale chunks poisoned with NaN, so a read
+    before its wait shows) and not, in the same processes: losses, parameters and what the overlap did."""
+    from megaloop.optim import build_optimizer
+    from tests.pipeline.models import make_batch, muon_functions, optim_config
+
+    cfg = case_config("parcae")
+    out = {}
+    for overlap in (True, False):
+        layout = init_layout(tp=1, model=dims(cfg))
+        runtime = ParallelRuntime(layout, plan_for(cfg), muon_functions(), bucket_elements=65536,
+                                  overlap_param_gather=overlap)
+        model = runtime.prepare_model(make_model("parcae"))
+        opt = build_optimizer(model.named_parameters(), optim_config(), steps, parts=runtime.optimizer_parts())
+        gather = opt.parts.gather
+        gather.poison = overlap
+        losses, pending_at_forward = [], []
+        for step in range(steps):
+            ids, labels, depth = make_batch(cfg, 2, seed=10 * step + layout.dp_rank)
+            pending_at_forward.append(gather.pending)
+            loss = model(ids, labels, depth=depth, noise_key=(0, step, torch.arange(2))).loss
+            losses.append(loss.item())
+            runtime.backward(loss)
+            runtime.reduce_gradients(model)
+            opt.step(step)
+            opt.zero_grad()
+        runtime.finish_param_gather()
+        out[overlap] = {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+                        "pending_at_forward": pending_at_forward, "ranges": len(gather.ranges)}
+    if rank == 0:
+        torch.save(out, out_path)

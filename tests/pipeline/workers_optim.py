@@ -40,6 +40,7 @@ def run_layout(case: str, tp: int):
             p.grad.copy_(grads[name] if spec is None else shard_tensor(grads[name], spec, layout.tp_rank))
         norms.append(opt.step(step).grad_norm)
         opt.zero_grad()
+    runtime.finish_param_gather()  # no forward follows the last step to wait for the overlapped all-gather
     params = {n: gather_full(p.detach(), runtime.tp_info.shards.get(n), layout.tp_group)
               for n, p in model.named_parameters()}
     chunking = [(g.chunk_len, g.dp, sum(p.numel() for p in g.params)) for g in runtime.buffer.groups]
