@@ -23,6 +23,8 @@ class ParallelConfig:
     zero_offload: bool = False  # deepspeed engine: optimizer state and step on the CPU (ZeRO-Offload)
     backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | gloo | nccl
     timeout_s: float = 600.0  # a collective waiting longer fails the job (a lost rank must not hang the others)
+    startup_timeout_s: float = 1800.0  # the same for start-up (rendezvous, build, restore) and checkpoint saves,
+    #                                     where ranks legitimately wait longer on each other (pipeline/layout.py)
     grad_reduce_dtype: str = "fp32"  # fp32: gradients cross the wire in their own dtype | bf16: cast for the wire
     dp_balance: str | None = None  # depth: deal sequences to dp ranks by loop work | rows: equal rows (None: depth,
     #                                 rows under the DeepSpeed engine, whose accumulation count is fixed)
@@ -39,8 +41,9 @@ class ParallelConfig:
         check_choice("parallel.grad_reduce_dtype", self.grad_reduce_dtype, ("fp32", "bf16"))
         if self.dp_balance is not None:
             check_choice("parallel.dp_balance", self.dp_balance, ("depth", "rows"))
-        if not self.timeout_s > 0:
-            raise ConfigError("parallel.timeout_s", self.timeout_s, "must be > 0 seconds")
+        for name in ("timeout_s", "startup_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"parallel.{name}", getattr(self, name), "must be > 0 seconds")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError("parallel.zero_stage", self.zero_stage, "allowed values: 0, 1, 2, 3")
 

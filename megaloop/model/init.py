@@ -104,6 +104,17 @@ def _rule(name: str) -> Callable:
                      "(a new parameter needs its reference initialisation stated)")
 
 
+def init_parameter_cost(name: str, shape: Iterable[int]) -> int:
+    """A relative cost of init_parameter(name, shape), to deal parameters over ranks: the QR of an orthogonal init
+    (~ rows x cols x min(rows, cols)), else the element count."""
+    shape = [int(n) for n in shape]
+    numel = math.prod(shape)
+    if _rule(name) is scaled_orthogonal:
+        rows, cols = shape[0], numel // max(shape[0], 1)
+        return numel * min(rows, cols)
+    return numel
+
+
 def _round(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """float64 stays; anything else rounds through float32 (the same bits as an fp32 build cast afterwards)."""
     return value if dtype == _F64 else value.to(torch.float32).to(dtype)
