@@ -316,10 +316,17 @@ class RunCheckpoints:
     def save(self, step: int, model, optimizer, data, tokens_this_job: int, wait: bool = False) -> None:
         """Save the state after `step` optimizer steps (asynchronously unless `wait`; the next save waits). wait: the
         save must land (the final or stop save): a failure raises SaveFailed (see wait)."""
-        from megaloop.optim.combined import merge_scalars
+        from megaloop.train.runtime import phase_timeout
 
         if not self.enabled or step == self.last_saved_step:
             return
+        p = self.cfg.parallel
+        with phase_timeout(self.runtime, p.startup_timeout_s, then=p.timeout_s):  # ranks wait on the slowest
+            self._save(step, model, optimizer, data, tokens_this_job, wait)
+
+    def _save(self, step: int, model, optimizer, data, tokens_this_job: int, wait: bool) -> None:
+        from megaloop.optim.combined import merge_scalars
+
         pieces, scalars = state_pieces(model, optimizer, self.runtime)
         scalars = merge_scalars(self.runtime.all_gather_object(scalars))  # every stage's parameters
         loader = data.state_dict()

@@ -23,6 +23,7 @@ from megaloop.train.peak import PeakGuard, cpu_peak
 from megaloop.train.precision import PrecisionChoice, apply_optimizer_precision, param_dtype, resolve_precision
 from megaloop.train.metrics import MetricsWriter
 from megaloop.train.progress import Progress
+from megaloop.train.runtime import set_phase_timeout
 from megaloop.train.step import reduce_step, train_step
 from megaloop.train.stopping import StartupStop, StopRequests, deadline_from
 
@@ -202,6 +203,7 @@ def _run(cfg, runtime, model, optimizer, data, ckpt, start, device, choice: Prec
     try:
         ckpt.record = writer.write  # a failed save leaves a metrics record
         flag.begin_steps(deadline_from(cfg.train.time_limit_s))  # signals now ask for the agreed stop
+        set_phase_timeout(runtime, cfg.parallel.timeout_s)  # the step timeout from here (saves: the start-up one)
         _run_steps(cfg, model, optimizer, sampler, FlopModel.of(cfg.model), data, runtime, writer, progress,
                    summary, flag, val_depths, ckpt, guard)
         _note_peak(summary, guard)
