@@ -32,6 +32,11 @@ REASONS = {1: "signal", 2: "time limit"}
 _EARLY: list[str] = []  # signals received before StopRequests took over (see hold_early_signals)
 
 
+def early_signal() -> str | None:
+    """The first stop signal hold_early_signals noted (None: none yet)."""
+    return _EARLY[0] if _EARLY else None
+
+
 class StartupStop(BaseException):
     """A stop signal arrived during start-up (process groups, build, restore): nothing to save, exit 75. A
     BaseException, like KeyboardInterrupt, so that no `except Exception` on the way swallows it."""
