@@ -4,7 +4,6 @@ and periodic checkpoint saves failing in a row end the run (a failed final save:
 from __future__ import annotations
 
 import sys
-import types
 
 import pytest
 import torch
@@ -31,9 +30,8 @@ def flash_modules(tmp_path, monkeypatch):
     from megaloop.model import attention
 
     monkeypatch.syspath_prepend(str(tmp_path))
-    for name in ("flash_attn", "flash_attn_interface"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
-        monkeypatch.setitem(sys.modules, name, None) if name == "flash_attn_interface" else None
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)  # FA3 absent: its import raises ModuleNotFoundError
     attention.flash_attn_function.cache_clear()
     yield tmp_path
     attention.flash_attn_function.cache_clear()
