@@ -2,12 +2,14 @@
 recipe (one float32 QR on all of torch's threads), side by side in one process.
 
     python benchmarks/init_cost.py [--size 2048] [--config configs/parcae-1_3b.yaml] [--repeats 3] [--no-full]
-                                   [--with-previous]
+                                   [--with-previous] [--dp 8,16]
 
 Prints: one size x size orthogonal matrix (new, previous); the full init of --config, every parameter computed and
 dropped at once (so the figure is compute, not memory), with the share of the largest parameter kinds and, with
 --with-previous, the previous recipe's time for the same shapes. A pipeline stage or tensor-parallel rank pays only
-for the parameters it holds.
+for the parameters it holds. --dp: a fresh job deals the init over its data-parallel ranks by
+megaloop.model.init.init_parameter_cost (megaloop/train/build.py); the busiest rank's measured seconds under that
+dealing, against the ideal 1/dp.
 """
 from __future__ import annotations
 
@@ -74,15 +76,31 @@ def _previous(name: str, shape, std: float, g: torch.Generator) -> None:
         torch.empty(shape).normal_(0.0, 1.0, generator=g)
 
 
-def full_init(config: str, with_previous: bool) -> None:
+def dealt(names_shapes_times: list, dps: list[int]) -> None:
+    """The busiest rank's measured init seconds when the parameters are dealt by cost over dp ranks."""
+    from megaloop.model.init import init_parameter_cost
+    from pipeline.dist_muon import assign_owners
+
+    costs = [init_parameter_cost(name, shape) for name, shape, _ in names_shapes_times]
+    total = sum(t for _, _, t in names_shapes_times)
+    for dp in dps:
+        owners = assign_owners(costs, dp)
+        busiest = max(sum(t for (_, _, t), o in zip(names_shapes_times, owners) if o == r) for r in range(dp))
+        print(f"  dealt over dp {dp}: busiest rank {busiest:.1f} s ({busiest / total:.3f} of the init; ideal "
+              f"{1 / dp:.3f})")
+
+
+def full_init(config: str, with_previous: bool, dps: list[int] = ()) -> None:
     cfg = load_config(config).model
     model = build_model(cfg, device="meta")
     per_kind: dict[str, float] = defaultdict(float)
+    timed = []
     t0 = time.perf_counter()
     for name, p in model.named_parameters():
         t = time.perf_counter()
         init_parameter(cfg, name, p.shape, seed=0)
         per_kind[_kind(name)] += time.perf_counter() - t
+        timed.append((name, tuple(p.shape), time.perf_counter() - t))
     elapsed = time.perf_counter() - t0
     total = sum(p.numel() for p in model.parameters())
     print(f"full init of {Path(config).stem} ({total / 1e9:.3f} B parameters, "
@@ -93,6 +111,7 @@ def full_init(config: str, with_previous: bool) -> None:
     stage_blocks = math.ceil(cfg.n_core / 4)
     print(f"  one block {per_block:.2f} s; e.g. a stage holding {stage_blocks} core blocks (the core over 4 stages) "
           f"pays ~{per_block * stage_blocks:.1f} s")
+    dealt(timed, dps)
     if with_previous:
         g = torch.Generator().manual_seed(0)
         t0 = time.perf_counter()
@@ -109,10 +128,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-full", action="store_true", help="skip the full-model init")
     ap.add_argument("--with-previous", action="store_true", help="also time the previous recipe on the full model")
+    ap.add_argument("--dp", default="8,16", help="data-parallel sizes to deal the full init over (empty: none)")
     args = ap.parse_args()
     one_matrix(args.size, args.repeats)
     if not args.no_full:
-        full_init(args.config, args.with_previous)
+        full_init(args.config, args.with_previous, [int(x) for x in args.dp.split(",") if x])
 
 
 if __name__ == "__main__":

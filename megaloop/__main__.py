@@ -135,4 +135,8 @@ def _check(cfg) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] in (["train"], ["launch"]):  # from process start: a stop signal during the imports is noted,
+        from megaloop.train.stopping import hold_early_signals  # then ends the start-up with exit 75 (see there)
+
+        hold_early_signals()
     sys.exit(main())

@@ -35,6 +35,12 @@ def run_launch(args) -> int:
     if "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in os.environ:
         torchrun[:0] = ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
     sys.stdout.flush()
+    from megaloop.train.stopping import early_signal
+
+    if early_signal() is not None:  # a stop signal before any worker started (the agent handles them from here)
+        print(f"megaloop launch: stopped by {early_signal()} before the workers started; run the same command again "
+              f"(exit code {STOP_EXIT_CODE})", file=sys.stderr, flush=True)
+        return STOP_EXIT_CODE
     _quiet_clean_stops(STOP_EXIT_CODE)
     started = time.time()
     outcome = _run_agent(torchrun)
@@ -45,7 +51,8 @@ def run_launch(args) -> int:
     clean = all(code == STOP_EXIT_CODE or code < 0 for code in codes) and (
         stop is not None or (codes and all(code == STOP_EXIT_CODE for code in codes)))
     if clean:
-        print(f"megaloop launch: the workers stopped cleanly{' ' + stop if stop else ''} and saved; run the same "
+        saved = "" if stop and "during start-up" in stop else " and saved"  # a start-up stop has nothing to save
+        print(f"megaloop launch: the workers stopped cleanly{' ' + stop if stop else ''}{saved}; run the same "
               f"command again to continue (exit code {STOP_EXIT_CODE})", file=sys.stderr, flush=True)
         return STOP_EXIT_CODE
     if signum is not None:

@@ -284,12 +284,21 @@ def choose_backend(device: torch.device, backend: str = "auto") -> str:
 def init_layout(tp: int = 1, pp: int = 1, dp: int | None = None, model: ModelDims | None = None,
                 batch: BatchDims | None = None, sequence_parallel: bool | None = None, device: str = "auto",
                 backend: str = "auto", environ: Mapping[str, str] | None = None,
-                timeout_s: float = 1800.0) -> ParallelLayout:
+                timeout_s: float = 1800.0, startup_timeout_s: float | None = None) -> ParallelLayout:
     """Validate the sizes for this job's world size, then (only if the world has more than one process) start
     torch.distributed (unless already started) and create every tp, dp and pp group. Returns this rank's layout.
 
     Every rank must call this with the same sizes (group creation is collective). When torch.distributed is already
-    initialised its world is used, so several layouts can be built in turn inside one job (tests do)."""
+    initialised its world is used, so several layouts can be built in turn inside one job (tests do).
+
+    Timeouts. Every group (the world's too) starts with startup_timeout_s (default: timeout_s): start-up waits on
+    the slowest rank's imports, build and restore. The trainer switches them to the step timeout, timeout_s, once
+    the steps begin, and back to the start-up one around checkpoint saves (set_group_timeouts): one set of groups,
+    whose timeout is changed per phase, rather than separate groups per phase, because a collective's timeout is
+    the group's and the same groups carry both phases' traffic. On CUDA the rank's device is bound at
+    init_process_group (device_id: NCCL creates the world's communicator now, on the right GPU), and one all-reduce
+    per group warms every communicator up (NCCL creates them lazily, at the first collective): their cost and any
+    failure come at start-up, under the start-up timeout, not in the first step."""
     launch = read_launch_env(environ)
     world = dist.get_world_size() if dist.is_initialized() else launch.world_size
     rank = dist.get_rank() if dist.is_initialized() else launch.rank
@@ -299,13 +308,46 @@ def init_layout(tp: int = 1, pp: int = 1, dp: int | None = None, model: ModelDim
     if world == 1:
         return ParallelLayout(device=dev, sequence_parallel=False)
     chosen_backend = choose_backend(dev, backend)
+    startup = timedelta(seconds=timeout_s if startup_timeout_s is None else startup_timeout_s)
     if not dist.is_initialized():
         _import_dynamo_first()
         dist.init_process_group(chosen_backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
-                                rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
-    groups = _create_groups(rank, tp, dp, pp)
-    return ParallelLayout(rank=rank, world_size=world, local_rank=launch.local_rank, tp=tp, dp=dp, pp=pp,
-                          sequence_parallel=seq_parallel, device=dev, backend=dist.get_backend(), **groups)
+                                rank=rank, world_size=world, timeout=startup,
+                                device_id=dev if dev.type == "cuda" else None)
+    groups = _create_groups(rank, tp, dp, pp, startup)
+    layout = ParallelLayout(rank=rank, world_size=world, local_rank=launch.local_rank, tp=tp, dp=dp, pp=pp,
+                            sequence_parallel=seq_parallel, device=dev, backend=dist.get_backend(), **groups)
+    warm_up_groups(layout)
+    return layout
+
+
+def layout_groups(layout: ParallelLayout) -> list:
+    """The process groups of this rank, the world's first, in one order on every rank (tp, dp, pp, embed)."""
+    kinds = [layout.tp_group, layout.dp_group, layout.pp_group, layout.embed_group]
+    return [dist.group.WORLD] + [g for g in kinds if g is not None]
+
+
+def warm_up_groups(layout: ParallelLayout) -> None:
+    """One tiny all-reduce per group (every rank goes through the kinds in the same order, so no rank waits on a
+    group whose other members are still warming another): NCCL creates a communicator at its first collective."""
+    if not dist.is_initialized():
+        return
+    device = layout.device if layout.backend == "nccl" else torch.device("cpu")
+    for group in layout_groups(layout):
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
+
+
+def set_group_timeouts(layout: ParallelLayout, seconds: float) -> bool:
+    """Give every group of the layout (the world's too) the timeout `seconds` (a phase change: start-up and saves,
+    or steps; see init_layout). False where this torch cannot change a group's timeout (it then keeps its own)."""
+    if not dist.is_initialized():
+        return True
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is None:  # pragma: no cover - torch < 2.3
+        return False
+    for group in layout_groups(layout):
+        setter(timedelta(seconds=seconds), group)
+    return True
 
 
 def _import_dynamo_first() -> None:
@@ -315,15 +357,16 @@ def _import_dynamo_first() -> None:
     importlib.import_module("torch._dynamo")
 
 
-def _create_groups(rank: int, tp: int, dp: int, pp: int) -> dict:
-    """new_group for every group of every kind (collective: all ranks create all groups in the same order);
-    keep this rank's. Size-1 groups are not created."""
+def _create_groups(rank: int, tp: int, dp: int, pp: int, timeout: timedelta | None = None) -> dict:
+    """new_group for every group of every kind (collective: all ranks create all groups in the same order), with
+    `timeout` (without one torch gives a new group its backend's default, not the world's); keep this rank's.
+    Size-1 groups are not created."""
     out: dict = {}
     for kind, size in (("tp", tp), ("dp", dp), ("pp", pp), ("embed", min(pp, 2))):
         mine: Sequence[int] = (rank,)
         handle = None
         for ranks in group_ranks(tp, dp, pp)[kind]:
-            group = dist.new_group(ranks) if size > 1 else None
+            group = dist.new_group(ranks, timeout=timeout) if size > 1 else None
             if rank in ranks:
                 mine, handle = ranks, group
         out[f"{kind}_group"], out[f"{kind}_ranks"] = handle, tuple(mine)

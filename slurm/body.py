@@ -61,7 +61,9 @@ trap on_term TERM
 
 LAUNCH_HEAD = r"""# Launch: one torchrun per node (srun), in the background, then wait for it.
 step_of() { sed -n 's/.*"step": *\([0-9]*\).*/\1/p' "$1" 2>/dev/null; }
+startup_of() { grep -o '"during": *"start-up"' "$1" 2>/dev/null; }  # a stop before the first step
 PREVIOUS_STOP=$(step_of "$OUT_DIR/STOPPED")  # the step the previous job of this run stopped at, if it did
+PREVIOUS_STARTUP=$(startup_of "$OUT_DIR/STOPPED")
 rm -f "$OUT_DIR/COMPLETED" "$OUT_DIR/STOPPED"
 log "job ${SLURM_JOB_ID} (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NUM_NODES} node(s) ${SLURM_JOB_NODELIST}," \
     "${NPROC_PER_NODE} processes per node, rendezvous ${MASTER_ADDR}:${MASTER_PORT}, out_dir ${OUT_DIR}"
@@ -96,9 +98,9 @@ if [ -f "$OUT_DIR/STOPPED" ]; then
     log "stopped and saved: this segment is done; the next job of the chain continues"
     exit 0
   fi
-  if [ -n "$PREVIOUS_STOP" ] && [ "$(step_of "$OUT_DIR/STOPPED")" = "$PREVIOUS_STOP" ]; then
-    log "stopped at step $PREVIOUS_STOP again, with no progress since the previous job: not requeueing (a longer" \
-        "--time or a later stop would let it train)"
+  if [ -n "$PREVIOUS_STARTUP" ] && [ "$(step_of "$OUT_DIR/STOPPED")" = "$PREVIOUS_STOP" ]; then
+    log "stopped at step $PREVIOUS_STOP again, with no progress since the previous job stopped during start-up:" \
+        "not requeueing (a longer --time or a later stop would let it train)"
     exit 75
   fi
   log "stopped and saved ($(cat "$OUT_DIR/STOPPED")): requeueing job ${SLURM_JOB_ID}"

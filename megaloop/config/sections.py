@@ -28,6 +28,8 @@ class ParallelConfig:
     #                                rendezvous (NCCL's on gloo too: a send completes only when its receive does and
     #                                one group's batches run in order, so CPU runs hang where NCCL would)
     timeout_s: float = 600.0  # a collective waiting longer fails the job (a lost rank must not hang the others)
+    startup_timeout_s: float = 1800.0  # the same for start-up (rendezvous, build, restore) and checkpoint saves,
+    #                                     where ranks legitimately wait longer on each other (pipeline/layout.py)
     grad_reduce_dtype: str = "fp32"  # fp32: gradients cross the wire in their own dtype | bf16: cast for the wire
     grad_bucket_elements: int | None = None  # elements per dp reduction/all-gather bucket; None: max(40M, 1M x dp)
     overlap_param_gather: bool = True  # ZeRO-1: the parameter all-gather runs under the next step's forward
@@ -52,8 +54,9 @@ class ParallelConfig:
         if self.grad_bucket_elements is not None and self.grad_bucket_elements < 1:
             raise ConfigError("parallel.grad_bucket_elements", self.grad_bucket_elements,
                               "must be >= 1 or null (max(40M, 1M x dp) elements)")
-        if not self.timeout_s > 0:
-            raise ConfigError("parallel.timeout_s", self.timeout_s, "must be > 0 seconds")
+        for name in ("timeout_s", "startup_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"parallel.{name}", getattr(self, name), "must be > 0 seconds")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError("parallel.zero_stage", self.zero_stage, "allowed values: 0, 1, 2, 3")
 

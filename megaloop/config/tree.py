@@ -34,8 +34,23 @@ class Config:
                        p.dp or (self.dp_size(world_size) if fits else 1))
         self._validate_batches(world_size)
         self._validate_engine()
+        self._validate_backend()
         self._validate_data_dir()
         return self
+
+    def _validate_backend(self) -> None:
+        """gloo with a CUDA device: gloo stages CUDA tensors through host memory and lacks collectives the trainer
+        runs (reduce-scatter), so it would fail mid-run or crawl; refused here."""
+        if self.parallel.backend != "gloo" or self.train.device == "cpu":
+            return
+        if self.train.device == "auto":
+            import torch  # only for this combination: the config tree does not need torch otherwise
+
+            if not torch.cuda.is_available():
+                return
+        raise ConfigError("parallel.backend", "gloo", f"with a CUDA device (train.device={self.train.device}) "
+                          "gloo copies every tensor through host memory and has no reduce-scatter; use "
+                          "parallel.backend=auto (nccl on GPUs), or train.device=cpu to train on the CPU with gloo")
 
     def _validate_engine(self) -> None:
         """What each data-parallel engine can run (see pipeline/runtime.py and pipeline/deepspeed_engine.py)."""

@@ -1,7 +1,16 @@
 """Causal self-attention of the reference block: q/k/v/proj, interleaved RoPE, weightless QK-norm after RoPE,
-gated value embeddings; the attention kernel is chosen by name (SDPA on CPU, flash-attn on GPU when installed)."""
+gated value embeddings; the attention kernel is chosen by name (SDPA on CPU, flash-attn on GPU when installed).
+
+The kernel is resolved once, when the model is built for its device (:func:`resolve_attention_backend`, called by
+the trainer): "auto" becomes "flash" or "sdpa" there, and a flash-attn that is installed but cannot be imported
+(a build for another torch or CUDA, a missing shared library) is an error naming the package, never a silent fall
+back to SDPA on every call. Only a flash-attn that is absent (ModuleNotFoundError for the package itself) counts
+as "not installed".
+"""
 from __future__ import annotations
 
+import functools
+import importlib
 import math
 
 import torch
@@ -10,33 +19,77 @@ from torch import nn
 
 from megaloop.model.layers import apply_rope_interleaved, rms_norm_weightless, upcast
 
+# (module, function name, label): FA3 (Hopper) first, then FA2
+_FLASH_MODULES = (("flash_attn_interface", "flash_attn_func", "flash-attn 3 (flash_attn_interface)"),
+                  ("flash_attn", "flash_attn_func", "flash-attn 2 (flash_attn)"))
 
-def _flash_attn_func():
-    """flash-attn's function if it is installed and usable on this machine, else None."""
-    if not torch.cuda.is_available():
-        return None
+
+class AttentionBackendError(RuntimeError):
+    """A flash-attn package that is installed but unusable; the message names it and what to do."""
+
+
+def _import_flash(module: str, func: str, label: str):
+    """The kernel function of one flash-attn package; None when the package is not installed at all."""
     try:
-        from flash_attn_interface import flash_attn_func  # FA3 (Hopper)
-        return flash_attn_func
-    except (ImportError, OSError):
-        pass
-    try:
-        from flash_attn import flash_attn_func  # FA2
-        return flash_attn_func
-    except (ImportError, OSError):
-        return None
+        return getattr(importlib.import_module(module), func)
+    except ModuleNotFoundError as err:
+        if err.name == module:  # the package itself is absent: not installed
+            return None
+        problem = err
+    except Exception as err:  # noqa: BLE001 - an installed package that fails to import, whatever the reason
+        problem = err
+    raise AttentionBackendError(
+        f"{label} is installed but cannot be imported ({type(problem).__name__}: {problem}): it was likely built for "
+        f"another torch or CUDA version; reinstall it for this environment (pip install -r requirements-gpu.txt), "
+        f"uninstall it (pip uninstall {module.replace('_', '-')}) to use PyTorch's sdpa, or set "
+        "model.attn_backend=sdpa") from problem
+
+
+@functools.lru_cache(maxsize=None)
+def flash_attn_function():
+    """flash-attn's function (FA3, else FA2) if installed, else None; an installed but broken package raises
+    AttentionBackendError. Looked up once per process."""
+    for module, func, label in _FLASH_MODULES:
+        fn = _import_flash(module, func, label)
+        if fn is not None:
+            return fn
+    return None
+
+
+def resolve_attention_backend(backend: str, device: torch.device | str) -> str:
+    """The concrete kernel for model.attn_backend on `device`: "flash", "sdpa" or "math". auto is flash-attn on a
+    CUDA device where installed, else sdpa; flash where flash-attn is absent, or a broken flash-attn, is an error."""
+    if torch.device(device).type != "cuda":
+        return "sdpa" if backend in ("auto", "flash") else backend
+    if backend in ("auto", "flash"):
+        if flash_attn_function() is not None:
+            return "flash"
+        if backend == "flash":
+            raise AttentionBackendError("model.attn_backend=flash but flash-attn is not installed here (pip install "
+                                        "-r requirements-gpu.txt), or use auto (flash-attn when present, else sdpa)")
+        return "sdpa"
+    return backend
+
+
+def set_attention_backend(model: nn.Module, backend: str) -> None:
+    """Give every attention layer of `model` the resolved kernel (see resolve_attention_backend)."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.backend = backend
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "auto") -> torch.Tensor:
-    """q [B, S, H, D], k/v [B, S, Hkv, D] -> [B, S, H, D], causal, scale 1/sqrt(D)."""
+    """q [B, S, H, D], k/v [B, S, Hkv, D] -> [B, S, H, D], causal, scale 1/sqrt(D). backend "flash" runs flash-attn
+    on half-precision CUDA inputs (SDPA otherwise); "auto" resolves as resolve_attention_backend does, looked up once
+    per process."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     if backend in ("auto", "flash") and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        fn = _flash_attn_func()
+        fn = flash_attn_function()
         if fn is not None:
             out = fn(q, k, v, causal=True, softmax_scale=scale)
             return out[0] if isinstance(out, tuple) else out
         if backend == "flash":
-            raise RuntimeError("model.attn_backend=flash but flash-attn is not installed; use auto or sdpa")
+            raise AttentionBackendError("model.attn_backend=flash but flash-attn is not installed; use auto or sdpa")
     if k.shape[2] != q.shape[2]:
         rep = q.shape[2] // k.shape[2]
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)

@@ -104,6 +104,25 @@ def _rule(name: str) -> Callable:
                      "(a new parameter needs its reference initialisation stated)")
 
 
+_DRAW_UNITS = 75  # one float64 random draw costs about 75 units of QR work (rows x cols x min(rows, cols)): measured
+#                  with benchmarks/init_cost.py's shapes on one thread (normal draws ~2e-7 s each, QR ~2.7e-9 s/unit)
+_RANDOM_RULES = (scaled_orthogonal, _normal, _ve_gate, _trunc_normal)
+
+
+def init_parameter_cost(name: str, shape: Iterable[int]) -> int:
+    """A relative cost of init_parameter(name, shape), to deal parameters over ranks: the QR of an orthogonal init
+    (~ rows x cols x min(rows, cols)) plus its random draws (_DRAW_UNITS per element), or the draws alone, or the
+    element count for a constant fill."""
+    shape = [int(n) for n in shape]
+    numel = math.prod(shape)
+    rule = _rule(name)
+    cost = numel * _DRAW_UNITS if rule in _RANDOM_RULES else numel
+    if rule is scaled_orthogonal:
+        rows, cols = shape[0], numel // max(shape[0], 1)
+        cost += numel * min(rows, cols)
+    return cost
+
+
 def _round(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """float64 stays; anything else rounds through float32 (the same bits as an fp32 build cast afterwards)."""
     return value if dtype == _F64 else value.to(torch.float32).to(dtype)

@@ -37,6 +37,34 @@ class ResumeError(ValueError):
     """A checkpoint that cannot continue this run (another model, nothing loadable, an out_dir already used)."""
 
 
+class SaveFailed(RuntimeError):
+    """A checkpoint that had to land did not: the final or stop save, or periodic saves failing in a row. The job
+    exits non-zero and leaves no COMPLETED/STOPPED marker, so that a batch script neither marks the run done nor
+    requeues it as if it had saved."""
+
+
+MAX_FAILED_SAVES = 2  # periodic saves failing in a row that stop the run (see RunCheckpoints.wait)
+
+
+def mark_startup_stop(cfg: Config, signal_name: str) -> None:
+    """<out_dir>/STOPPED for a stop signal during start-up (call on rank 0): nothing new was trained, so the step is
+    the newest committed checkpoint's (0: none), and "during": "start-up" tells a batch script that this stop made no
+    progress by design (slurm/body.py requeues it unless the previous job also stopped during start-up at that
+    step: then start-up alone outlasts the allocation)."""
+    from checkpoints.files import step_of
+    from checkpoints.load import find_checkpoints
+
+    steps = [step_of(p.name) for p in find_checkpoints(checkpoint_root(cfg))] if cfg.parallel.engine == "native" \
+        else []
+    out = Path(cfg.train.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "COMPLETED").unlink(missing_ok=True)
+    tmp = out / ".STOPPED.tmp"
+    tmp.write_text(json.dumps({"step": max([s for s in steps if s is not None], default=0),
+                               "reason": f"{signal_name} during start-up", "during": "start-up"}) + "\n")
+    tmp.replace(out / "STOPPED")
+
+
 def checkpoint_root(cfg: Config) -> Path:
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.train.out_dir) / "checkpoints"
 
@@ -159,20 +187,34 @@ class RunCheckpoints:
         self.resumed_from: str | None = None
         self.last_saved_step: int | None = None
         self.saved: list[tuple[int, float, float]] = []  # (step, training stall s, background write s), rank 0
+        self.failed_in_a_row = 0
+        self.record = lambda record: None  # the run's metrics writer (set by the loop once it exists)
         self._checkpointer = None
+        self._own: list[Path] | None = None
 
     # ---- where the run starts --------------------------------------------------------------------------------
-    def restore(self, model, optimizer, data) -> int:
-        """Load the state the run continues from (see the module docstring); returns the first step to run."""
+    def loads_weights(self) -> bool:
+        """Whether restore() will fill every parameter from a checkpoint (this run's own, or checkpoint.resume), so
+        that the model need not be initialised; restore() then loads one or raises, it never starts afresh."""
+        return self.enabled and bool(self._own_checkpoints() or self.cfg.checkpoint.resume is not None)
+
+    def _own_checkpoints(self) -> list[Path]:
+        """This run's committed checkpoints, newest first, as rank 0 sees them (looked up once per job)."""
         from checkpoints.load import find_checkpoints
 
+        if self._own is None:  # rank 0's view decides, so that every rank takes the same branch
+            self._own = [Path(p) for p in
+                         self.runtime.all_gather_object([str(p) for p in find_checkpoints(self.root)])[0]]
+        return self._own
+
+    def restore(self, model, optimizer, data) -> int:
+        """Load the state the run continues from (see the module docstring); returns the first step to run."""
         if not self.enabled:
             self._note("no checkpoints under parallel.engine=deepspeed (its partitioned optimizer state is not saved "
                        "as layout-free arrays); use the native engine for runs that must resume")
             self._refuse_used_out_dir()
             return 0
-        # rank 0's view decides, so that every rank takes the same branch (and none is ahead of another's check)
-        own = [Path(p) for p in self.runtime.all_gather_object([str(p) for p in find_checkpoints(self.root)])[0]]
+        own = self._own_checkpoints()
         resume = self.cfg.checkpoint.resume
         if own:
             reader = self._open_verified(own)
@@ -302,11 +344,19 @@ class RunCheckpoints:
 
     # ---- saving ----------------------------------------------------------------------------------------------
     def save(self, step: int, model, optimizer, data, tokens_this_job: int, wait: bool = False) -> None:
-        """Save the state after `step` optimizer steps (asynchronously unless `wait`; the next save waits)."""
-        from megaloop.optim.combined import merge_scalars
+        """Save the state after `step` optimizer steps (asynchronously unless `wait`; the next save waits). wait: the
+        save must land (the final or stop save): a failure raises SaveFailed (see wait)."""
+        from megaloop.train.runtime import phase_timeout
 
         if not self.enabled or step == self.last_saved_step:
             return
+        p = self.cfg.parallel
+        with phase_timeout(self.runtime, p.startup_timeout_s, then=p.timeout_s):  # ranks wait on the slowest
+            self._save(step, model, optimizer, data, tokens_this_job, wait)
+
+    def _save(self, step: int, model, optimizer, data, tokens_this_job: int, wait: bool) -> None:
+        from megaloop.optim.combined import merge_scalars
+
         self.runtime.finish_param_gather()  # the parameters read below hold their new values
         pieces, scalars = state_pieces(model, optimizer, self.runtime)
         refuse = None
@@ -328,7 +378,7 @@ class RunCheckpoints:
         self._saver().save(step, pieces, metadata, refuse=refuse)
         self.last_saved_step = step
         if wait:
-            self.wait()
+            self.wait(must_land=True)
 
     def prepare(self, model, optimizer) -> None:
         """Allocate the snapshot buffers in the background (call once the optimizer state exists), so that no save
@@ -336,17 +386,44 @@ class RunCheckpoints:
         if self.enabled:
             self._saver().prepare(state_pieces(model, optimizer, self.runtime)[0])
 
-    def wait(self) -> None:
-        """Block until the save in flight is written (and, on rank 0, committed); report a failure."""
+    def wait(self, must_land: bool = False, agree: bool = True) -> None:
+        """Block until the save in flight is written (and, on rank 0, committed); report a failure, as a line and a
+        metrics record. A failed periodic save lets training go on (the previous checkpoint is still committed and
+        the next save tries again: a transient file-system error must not end a job of hundreds of GPUs), but
+        MAX_FAILED_SAVES in a row raise SaveFailed: the storage is broken and the job would train on with nothing
+        to resume from. must_land (the final or stop save): any failure raises SaveFailed. Every rank agrees (one
+        reduction), since ranks other than 0 only see their own part; agree=False (closing, maybe while an error
+        unwinds on some ranks only): no reduction, and a failure is reported, never raised."""
         if self._checkpointer is None:
             return
         self._checkpointer.wait()
-        for result in self._checkpointer.take_results():
-            if not result.ok:
-                print(f"megaloop: checkpoint of step {result.step} FAILED and was not committed ({result.error}); "
-                      "training goes on and the next save tries again", file=sys.stderr, flush=True)
-            elif self.runtime.is_main:
+        results = self._checkpointer.take_results()
+        if not results:
+            return
+        errors = [r for r in results if not r.ok]
+        for result in results:
+            if result.ok and self.runtime.is_main:
                 self.saved.append((result.step, result.stall_s, result.write_s))
+        step = max(r.step for r in results)
+        failed = self.runtime.world_max(float(bool(errors))) if agree else bool(errors)
+        if not failed:
+            self.failed_in_a_row = 0
+            return
+        self.failed_in_a_row += 1
+        error = errors[0].error if errors else "failed on another rank (its error is in its log)"
+        fatal = agree and (must_land or self.failed_in_a_row >= MAX_FAILED_SAVES)
+        self.record({"kind": "checkpoint_failed", "step": step, "error": error, "in_a_row": self.failed_in_a_row,
+                     "fatal": fatal})
+        if fatal:
+            what = ("the final checkpoint" if must_land else f"{self.failed_in_a_row} checkpoints in a row")
+            raise SaveFailed(f"{what} (step {step}) FAILED and {'was' if must_land else 'were'} not committed "
+                             f"({error}); the run is not marked COMPLETED or STOPPED. Fix the storage "
+                             f"({self.root}), then run the same command again: it resumes from the last committed "
+                             "checkpoint")
+        if errors:
+            print(f"megaloop: checkpoint of step {step} FAILED and was not committed ({error}); training goes on "
+                  f"and the next save tries again ({MAX_FAILED_SAVES} failures in a row stop the run)",
+                  file=sys.stderr, flush=True)
 
     def _saver(self):
         if self._checkpointer is None:
@@ -360,7 +437,7 @@ class RunCheckpoints:
 
     def close(self) -> None:
         if self._checkpointer is not None:
-            self.wait()
+            self.wait(agree=False)
             self._checkpointer.close()
             self._checkpointer = None
 

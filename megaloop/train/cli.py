@@ -13,8 +13,9 @@ NO_VALIDATION_HINT = ("the shards have no val split, e.g. made with --val-fracti
 def run_training(cfg: Config) -> int:
     from data_prep.errors import DataPrepError
     from megaloop.config import ConfigError
-    from megaloop.train.checkpointing import STOP_EXIT_CODE, ResumeError
+    from megaloop.train.checkpointing import STOP_EXIT_CODE, ResumeError, SaveFailed
     from megaloop.train.loop import TrainingDiverged, train
+    from megaloop.train.stopping import StartupStop
     from pipeline.layout import LayoutError
 
     try:
@@ -24,7 +25,12 @@ def run_training(cfg: Config) -> int:
         print("megaloop: interrupted; nothing was saved after the last committed checkpoint",
               file=sys.stderr)
         return 130
-    except TrainingDiverged as err:
+    except StartupStop as stop:
+        print(f"megaloop: stopped by {stop.signal_name} during start-up, before the first step: nothing to save; run "
+              f"the same command again to continue from the last committed checkpoint (exit code {STOP_EXIT_CODE})",
+              file=sys.stderr)
+        return STOP_EXIT_CODE
+    except (TrainingDiverged, SaveFailed) as err:
         print(f"megaloop: {err}", file=sys.stderr)
         return 1
     except (ConfigError, DataPrepError, ResumeError, FileNotFoundError) as err:
@@ -101,12 +107,14 @@ def check_before_training(cfg: Config) -> None:
     if cfg.train.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device", cfg.train.device, "no CUDA device is available on this machine; use "
                           "train.device=cpu, or auto (a GPU when there is one, else the CPU)")
-    if cfg.model.attn_backend == "flash" and torch.cuda.is_available():
-        from megaloop.model.attention import _flash_attn_func
+    from megaloop.model.attention import AttentionBackendError, resolve_attention_backend
 
-        if _flash_attn_func() is None:
-            raise ConfigError("model.attn_backend", "flash", "flash-attn is not installed here (pip install -r "
-                              "requirements-gpu.txt), or use auto (flash-attn when present, else PyTorch's sdpa)")
+    device = "cuda" if cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available()) \
+        else "cpu"
+    try:  # looked up once per process: the build reuses it
+        resolve_attention_backend(cfg.model.attn_backend, device)
+    except AttentionBackendError as err:
+        raise ConfigError("model.attn_backend", cfg.model.attn_backend, str(err)) from None
     out = Path(cfg.train.out_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError("train.out_dir", cfg.train.out_dir, "is a file, not a directory; choose another "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from megaloop.config import Config
 from megaloop.depth import make_sampler
 from megaloop.model import build_model, count_parameters
 from megaloop.optim import build_optimizer
-from megaloop.train.build import held_parameters
+from megaloop.train.build import InitSplit, empty_parameters, held_parameters
 from megaloop.train.data import open_data
 from megaloop.train.evaluate import default_val_depths, final_val_depths, validation_losses
 from megaloop.train.flops import FlopModel
@@ -22,8 +23,9 @@ from megaloop.train.peak import PeakGuard, cpu_peak
 from megaloop.train.precision import PrecisionChoice, apply_optimizer_precision, param_dtype, resolve_precision
 from megaloop.train.metrics import MetricsWriter
 from megaloop.train.progress import Progress
+from megaloop.train.runtime import set_phase_timeout
 from megaloop.train.step import StepTimer, reduce_step, schedule_ahead, train_step
-from megaloop.train.stopping import StopRequests, deadline_from
+from megaloop.train.stopping import StartupStop, StopRequests, deadline_from
 
 
 @dataclass
@@ -73,35 +75,60 @@ def resolve_device(name: str) -> torch.device:
 
 
 def train(cfg: Config, runtime=None) -> RunSummary:
-    """Run (or continue) cfg.train.steps optimizer steps. All outputs go under cfg.train.out_dir."""
+    """Run (or continue) cfg.train.steps optimizer steps. All outputs go under cfg.train.out_dir. A stop signal
+    before the first step raises StartupStop (rank 0 leaves a STOPPED marker); see megaloop.train.stopping."""
+    from megaloop.train.checkpointing import mark_startup_stop
+
+    try:
+        return _train(cfg, runtime)
+    except StartupStop as stop:
+        if _is_main(runtime):
+            mark_startup_stop(cfg, stop.signal_name)
+        raise
+
+
+def _is_main(runtime) -> bool:
+    """Rank 0 (before the runtime exists: from the launcher's environment, as pipeline.layout reads it)."""
+    if runtime is not None:
+        return runtime.is_main
+    env = os.environ
+    for var in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+        if var in env:
+            return env[var] == "0"
+    return True
+
+
+def _train(cfg: Config, runtime) -> RunSummary:
     from megaloop.train.checkpointing import RunCheckpoints
     from megaloop.train.rerun import recorded_summary
     from megaloop.train.runtime import make_runtime
 
-    device = resolve_device(cfg.train.device)
-    choice = choose_precision(cfg, device)
-    cfg = cfg.with_precision(choice.precision)  # from here on the run's precision is concrete, never "auto"
-    owns_runtime = runtime is None
-    runtime = runtime or make_runtime(cfg, device)
-    out_dir = Path(cfg.train.out_dir)
-    data = open_data(cfg, runtime.dp_rank, runtime.dp_size, getattr(runtime, "layout", None), device)  # fails early
-    model, optimizer = build_model_and_optimizer(cfg, runtime, device, choice.native_bf16)
-    data.prepare_ahead(schedule_ahead(cfg, runtime, model))  # a ring schedule made in the prefetch thread
-    ckpt = RunCheckpoints(cfg, runtime)
-    idle = False
-    try:
-        start = ckpt.restore(model, optimizer, data)
-        idle = start >= cfg.train.steps  # nothing to do: the run's files stay as they are
-        if not idle:
-            data.read_first_batch()  # a data error surfaces before the run's folder or files are made
-        summary = (recorded_summary(cfg, runtime, start, ckpt.tokens_before) if idle else
-                   _run(cfg, runtime, model, optimizer, data, ckpt, start, device, choice))
-    finally:
-        ckpt.close()
-        data.close()
-        del model, optimizer  # tensor-parallel layers and distributed optimizers hold process groups: free them
-        if owns_runtime:      # before the runtime tears the groups down (see pipeline.layout.destroy_layout)
-            runtime.close()
+    with StopRequests(starting=True) as flag:  # from here a signal ends the start-up at once (exit 75)
+        device = resolve_device(cfg.train.device)
+        choice = choose_precision(cfg, device)
+        cfg = cfg.with_precision(choice.precision)  # from here on the run's precision is concrete, never "auto"
+        owns_runtime = runtime is None
+        runtime = runtime or make_runtime(cfg, device)
+        out_dir = Path(cfg.train.out_dir)
+        data = open_data(cfg, runtime.dp_rank, runtime.dp_size, runtime.layout, device)  # fails early on bad data
+        ckpt = RunCheckpoints(cfg, runtime)
+        idle = False
+        try:  # a resumed job allocates its parameters without initialising them: the checkpoint fills them
+            model, optimizer = build_model_and_optimizer(cfg, runtime, device, choice.native_bf16,
+                                                         init=not ckpt.loads_weights())
+            data.prepare_ahead(schedule_ahead(cfg, runtime, model))  # a ring schedule made in the prefetch thread
+            start = ckpt.restore(model, optimizer, data)
+            idle = start >= cfg.train.steps  # nothing to do: the run's files stay as they are
+            if not idle:
+                data.read_first_batch()  # a data error surfaces before the run's folder or files are made
+            summary = (recorded_summary(cfg, runtime, start, ckpt.tokens_before) if idle else
+                       _run(cfg, runtime, model, optimizer, data, ckpt, start, device, choice, flag))
+        finally:
+            ckpt.close()
+            data.close()
+            model = optimizer = None  # tensor-parallel layers and distributed optimizers hold process groups:
+            if owns_runtime:          # free them before the runtime tears the groups down (pipeline.layout)
+                runtime.close()
     if runtime.is_main and not idle:
         (out_dir / "summary.json").write_text(json.dumps(summary.as_dict(), indent=2))
     return summary
@@ -115,29 +142,45 @@ def choose_precision(cfg: Config, device: torch.device) -> PrecisionChoice:
     return resolve_precision(cfg.train.precision, device, slowdown)
 
 
-def build_model_and_optimizer(cfg: Config, runtime, device: torch.device, native_bf16: bool | None = None):
-    """The model as the runtime runs it (split, wrapped) and its optimizer, distributed as the layout needs. Under
-    tensor or pipeline parallelism the model is built on the meta device and each rank materialises only what it
-    holds (its tensor-parallel pieces of its pipeline stage's parameters). native_bf16: the device computes bf16
-    natively (Muon's Polar Express runs in bf16 then, else in fp32); None: ask the device."""
+def build_model_and_optimizer(cfg: Config, runtime, device: torch.device, native_bf16: bool | None = None,
+                              init: bool = True):
+    """The model as the runtime runs it (split, wrapped) and its optimizer, distributed as the layout needs. The model
+    is built on the meta device and each rank materialises only what it holds (its tensor-parallel pieces of its
+    pipeline stage's parameters): initialised (init, split over the data-parallel ranks, see
+    megaloop.train.build), or only allocated (init=False: a resumed job, whose checkpoint fills every parameter).
+    native_bf16: the device computes bf16 natively (Muon's Polar Express runs in bf16 then, else in fp32); None: ask
+    the device."""
+    from megaloop.model.attention import resolve_attention_backend, set_attention_backend
+
     precision = cfg.train.precision
     if native_bf16 is None:
         native_bf16 = bf16_support(device).native
-    if runtime.tp_size > 1 or runtime.pp_size > 1:
-        model = build_model(cfg.model, device="meta").to(param_dtype(precision))
-        model.set_execution(cfg.train.activation_checkpointing, cfg.train.compile)
-        held = held_parameters(cfg.model, cfg.train.seed, device, names=runtime.held_parameter_names(model))
-        model = runtime.prepare_model(model, materialize=held)
+    model = build_model(cfg.model, device="meta").to(param_dtype(precision))
+    model.set_execution(cfg.train.activation_checkpointing, cfg.train.compile)
+    set_attention_backend(model, resolve_attention_backend(cfg.model.attn_backend, device))  # once, not per call
+    split = runtime.tp_size > 1 or runtime.pp_size > 1  # the runtime splits the model before it is materialised
+    names = runtime.held_parameter_names(model) if split else None
+    fill = (held_parameters(cfg.model, cfg.train.seed, device, names, init_split(runtime)) if init else
+            empty_parameters(device, names))
+    if split:
+        model = runtime.prepare_model(model, materialize=fill)
     else:
-        model = build_model(cfg.model, device=device, seed=cfg.train.seed).to(param_dtype(precision))
-        model.set_execution(cfg.train.activation_checkpointing, cfg.train.compile)
+        fill(model, None)
         model = runtime.prepare_model(model)
     parts = runtime.optimizer_parts() if hasattr(runtime, "optimizer_parts") else None
     optimizer = build_optimizer(model.named_parameters(), cfg.optim, cfg.train.steps, parts=parts)
     return model, runtime.prepare_optimizer(apply_optimizer_precision(optimizer, precision, native_bf16))
 
 
-def _run(cfg, runtime, model, optimizer, data, ckpt, start, device, choice: PrecisionChoice) -> RunSummary:
+def init_split(runtime) -> InitSplit | None:
+    """The data-parallel group that shares this rank's init (None: a single process, or dp 1)."""
+    layout = getattr(runtime, "layout", None)
+    if layout is None or layout.dp == 1:
+        return None
+    return InitSplit(layout.dp_group, tuple(layout.dp_ranks), layout.dp_rank)
+
+
+def _run(cfg, runtime, model, optimizer, data, ckpt, start, device, choice: PrecisionChoice, flag) -> RunSummary:
     """Steps start .. train.steps (or until an agreed stop), the checkpoints, then the final validation."""
     out_dir = Path(cfg.train.out_dir)
     sampler = make_sampler(cfg.model.depth_sampler, cfg.model.mu_rec, cfg.model.backprop_depth, seed=cfg.train.seed)
@@ -159,15 +202,17 @@ def _run(cfg, runtime, model, optimizer, data, ckpt, start, device, choice: Prec
     val_depths = cfg.train.val_depths or default_val_depths(cfg.model.mu_rec, cfg.model.is_looped)
     progress = Progress(cfg.train.steps, enabled=runtime.is_main and cfg.train.progress, initial=start)
     try:
-        with StopRequests(deadline_from(cfg.train.time_limit_s)) as flag:
-            _run_steps(cfg, model, optimizer, sampler, FlopModel.of(cfg.model), data, runtime, writer, progress,
-                       summary, flag, val_depths, ckpt, guard)
-            _note_peak(summary, guard)
-            if summary.steps_done > start:
-                ckpt.save(summary.steps_done, model, optimizer, data, summary.job_tokens, wait=True)
-            if summary.interrupted:  # before any rank can exit (a launcher may then signal the others)
-                ckpt.mark("STOPPED", step=summary.steps_done, reason=summary.stop_reason)
-            runtime.barrier()  # every rank leaves after rank 0 committed the checkpoint
+        ckpt.record = writer.write  # a failed save leaves a metrics record
+        flag.begin_steps(deadline_from(cfg.train.time_limit_s))  # signals now ask for the agreed stop
+        set_phase_timeout(runtime, cfg.parallel.timeout_s)  # the step timeout from here (saves: the start-up one)
+        _run_steps(cfg, model, optimizer, sampler, FlopModel.of(cfg.model), data, runtime, writer, progress,
+                   summary, flag, val_depths, ckpt, guard)
+        _note_peak(summary, guard)
+        if summary.steps_done > start:  # must land: a failure raises SaveFailed, and no marker is written
+            ckpt.save(summary.steps_done, model, optimizer, data, summary.job_tokens, wait=True)
+        if summary.interrupted:  # before any rank can exit (a launcher may then signal the others)
+            ckpt.mark("STOPPED", step=summary.steps_done, reason=summary.stop_reason)
+        runtime.barrier()  # every rank leaves after rank 0 committed the checkpoint
         if not summary.interrupted and summary.steps_done > start:
             summary.val = validation_losses(model, data.val_batches(), final_val_depths(cfg, val_depths),
                                             cfg.train.seed, cfg.train.precision, device, runtime,
@@ -177,6 +222,7 @@ def _run(cfg, runtime, model, optimizer, data, ckpt, start, device, choice: Prec
         if not summary.interrupted:
             ckpt.mark("COMPLETED", step=summary.steps_done)
     finally:
+        ckpt.record = lambda record: None
         progress.close()
         writer.close()
     return summary

@@ -1,8 +1,9 @@
 """metrics.jsonl (one JSON object per line) and TensorBoard event files, with the documented schema.
 
-Three record kinds share the file: "train" (one per optimizer step), "val" (one per validation depth T) and
+Four record kinds share the file: "train" (one per optimizer step), "val" (one per validation depth T),
 "resume" (a job continued the run from a checkpoint: the records of later steps that an earlier job may have
-written before it stopped are superseded by those after this line).
+written before it stopped are superseded by those after this line) and "checkpoint_failed" (the save of `step` was
+not committed; `fatal`: it ended the run, see megaloop.train.checkpointing.RunCheckpoints.wait).
 SCHEMA below is the contract that tests validate and the README documents.
 """
 from __future__ import annotations
@@ -23,7 +24,9 @@ TRAIN_FIELDS = {
 }
 VAL_FIELDS = {"kind": str, "step": int, "T": int, "val_loss": NUMBER, "val_bpb": NUMBER, "tokens": int}
 RESUME_FIELDS = {"kind": str, "step": int, "from": str}  # a job continued the run from a checkpoint at `step`
-SCHEMA = {"train": TRAIN_FIELDS, "val": VAL_FIELDS, "resume": RESUME_FIELDS}
+CHECKPOINT_FAILED_FIELDS = {"kind": str, "step": int, "error": str, "in_a_row": int, "fatal": bool}
+SCHEMA = {"train": TRAIN_FIELDS, "val": VAL_FIELDS, "resume": RESUME_FIELDS,
+          "checkpoint_failed": CHECKPOINT_FAILED_FIELDS}
 
 
 def validate_record(record: dict) -> None:

@@ -21,6 +21,7 @@ class SingleProcessRuntime:
     dp_rank = 0
     dp_size = 1
     is_main = True
+    layout = None  # no process groups (a parallel runtime's pipeline.layout.ParallelLayout)
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -93,6 +94,25 @@ class SingleProcessRuntime:
         return None
 
 
+def set_phase_timeout(runtime, seconds: float) -> None:
+    """Every process group of the runtime times out after `seconds` from now on: parallel.timeout_s while steps
+    run, parallel.startup_timeout_s during start-up and checkpoint saves (pipeline.layout.init_layout)."""
+    if runtime.layout is not None:
+        from pipeline.layout import set_group_timeouts
+
+        set_group_timeouts(runtime.layout, seconds)
+
+
+@contextlib.contextmanager
+def phase_timeout(runtime, seconds: float, then: float):
+    """set_phase_timeout(seconds) for the block, then `then` (a save inside the steps)."""
+    set_phase_timeout(runtime, seconds)
+    try:
+        yield
+    finally:
+        set_phase_timeout(runtime, then)
+
+
 def make_runtime(cfg, device: torch.device):
     """The runtime for this job: single-process, or pipeline's tensor/data-parallel one (native or DeepSpeed), or
     its ring-pipeline one (pp > 1), when launched on several processes (torchrun or Slurm), built from cfg.parallel
@@ -113,7 +133,7 @@ def make_runtime(cfg, device: torch.device):
     layout = init_layout(tp=p.tp, pp=p.pp, dp=p.dp, model=ModelDims(m.n_heads, m.kv_heads, m.vocab_size, m.seq_len),
                          batch=BatchDims(d.global_batch_size, d.micro_batch_size),
                          sequence_parallel=p.sequence_parallel, device=device.type, backend=p.backend,
-                         timeout_s=p.timeout_s)
+                         timeout_s=p.timeout_s, startup_timeout_s=p.startup_timeout_s)
     if p.engine == "deepspeed":
         from pipeline.deepspeed_engine import DeepSpeedRuntime
 

@@ -6,6 +6,14 @@ the job per step, which the step makes anyway) and every rank then calls :meth:`
 reduced code, so a signal that reached one rank first stops all of them after that step.
 The trainer then saves and exits with checkpointing.STOP_EXIT_CODE. A second signal aborts at once.
 
+Start-up. The handlers are installed when the job starts (`python -m megaloop train` installs
+:func:`hold_early_signals` before anything else; train() then enters StopRequests before the process groups, the
+data, the build and the restore), not only around the steps. A signal before the first step raises
+:class:`StartupStop` at once: there is nothing to save (the last committed checkpoint is where a re-run continues),
+so the job exits with STOP_EXIT_CODE within a moment instead of finishing a minutes-long build or restore, or dying
+of USR1's default action. :meth:`StopRequests.begin_steps` ends the start-up: from there a signal only asks for the
+agreed stop above.
+
 The time budget: `train.time_limit_s` seconds from the start of training, and the unix time in the environment
 variable MEGALOOP_DEADLINE (a batch script exports its job's end time), whichever comes first. The job stops when
 the time left is less than two of its slowest steps plus its slowest save so far, so that the checkpoint lands in
@@ -21,6 +29,34 @@ from megaloop.config import ConfigError
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 REASONS = {1: "signal", 2: "time limit"}
+_EARLY: list[str] = []  # signals received before StopRequests took over (see hold_early_signals)
+
+
+def early_signal() -> str | None:
+    """The first stop signal hold_early_signals noted (None: none yet)."""
+    return _EARLY[0] if _EARLY else None
+
+
+class StartupStop(BaseException):
+    """A stop signal arrived during start-up (process groups, build, restore): nothing to save, exit 75. A
+    BaseException, like KeyboardInterrupt, so that no `except Exception` on the way swallows it."""
+
+    def __init__(self, signal_name: str):
+        super().__init__(f"{signal_name} during start-up")
+        self.signal_name = signal_name
+
+
+def hold_early_signals() -> None:
+    """From process start until StopRequests is entered: note a stop signal instead of dying of it (USR1's default
+    action ends the process); StopRequests.__enter__ then raises StartupStop for it."""
+    def note(signum, frame):
+        _EARLY.append(signal.Signals(signum).name)
+
+    for sig in STOP_SIGNALS:
+        try:
+            signal.signal(sig, note)
+        except ValueError:  # not the main thread
+            pass
 
 
 def deadline_from(time_limit_s: float | None, environ=None, now: float | None = None) -> float | None:
@@ -40,14 +76,20 @@ def deadline_from(time_limit_s: float | None, environ=None, now: float | None = 
 class StopRequests:
     """Signal handlers and the time budget of one training job; see the module docstring."""
 
-    def __init__(self, deadline: float | None = None):
+    def __init__(self, deadline: float | None = None, starting: bool = False):
         self.deadline = deadline
+        self.starting = starting  # a signal now raises StartupStop (until begin_steps)
         self.signal_name: str | None = None
         self.reason: str | None = None
         self.slowest_step = 0.0
         self.slowest_save = 0.0
         self._signalled = False
         self._old = {}
+
+    def begin_steps(self, deadline: float | None) -> None:
+        """The first step is next: from now on a signal asks for the agreed stop (and the time budget counts)."""
+        self.starting = False
+        self.deadline = deadline
 
     def note_step(self, seconds: float) -> None:
         self.slowest_step = max(self.slowest_step, seconds)
@@ -75,6 +117,11 @@ class StopRequests:
                 self._old[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread
                 pass
+        if _EARLY and self.starting:
+            self._signalled, self.signal_name = True, _EARLY[0]
+            _EARLY.clear()
+            self.__exit__()
+            raise StartupStop(self.signal_name)
         return self
 
     def _handle(self, signum, frame):
@@ -82,6 +129,8 @@ class StopRequests:
             raise KeyboardInterrupt
         self._signalled = True
         self.signal_name = signal.Signals(signum).name
+        if self.starting:
+            raise StartupStop(self.signal_name)
 
     def __exit__(self, *exc):
         for sig, old in self._old.items():

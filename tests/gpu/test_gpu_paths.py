@@ -80,9 +80,9 @@ def test_nccl_reductions_of_the_runtime():
 
 
 def test_flash_attention_matches_sdpa():
-    from megaloop.model.attention import _flash_attn_func, causal_attention
+    from megaloop.model.attention import causal_attention, flash_attn_function
 
-    if _flash_attn_func() is None:
+    if flash_attn_function() is None:  # installed but broken raises: the test fails, it does not skip
         pytest.skip("flash-attn is not installed (pip install -r requirements-gpu.txt)")
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(2, 256, 8, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))

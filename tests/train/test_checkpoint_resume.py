@@ -149,28 +149,38 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tiny_shards, tmp_p
     assert [CheckpointReader(p).step for p in find_checkpoints(tmp_path / "checkpoints")] == [22, 10]
 
 
-def test_failed_write_keeps_the_previous_checkpoint(tiny_shards, tmp_path, monkeypatch, capfd):
+def test_failed_saves_are_recorded_and_a_failed_final_save_fails_the_run(tiny_shards, tmp_path, monkeypatch,
+                                                                           capfd):
+    """A periodic save that fails is a metrics record and training goes on; the final save failing is an error
+    (exit 1 from the command line) with no COMPLETED marker, not a completed run; the re-run resumes from the last
+    committed checkpoint."""
     import errno
 
     import checkpoints.files as ckpt_files
+    from megaloop.train.checkpointing import SaveFailed
 
     real = ckpt_files.write_file
 
-    def full_disk_at_step_20(path, data):
-        if "step_00000020" in str(path):
+    def full_disk_at_steps_10_and_20(path, data):
+        if "step_00000010" in str(path) or "step_00000020" in str(path):
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return real(path, data)
 
-    monkeypatch.setattr(ckpt_files, "write_file", full_disk_at_step_20)
-    summary, _ = run(tiny_shards, tmp_path, 20, "checkpoint.every=10")
+    monkeypatch.setattr(ckpt_files, "write_file", full_disk_at_steps_10_and_20)
+    with pytest.raises(SaveFailed, match=r"final checkpoint \(step 20\) FAILED.*No space left on device"):
+        run(tiny_shards, tmp_path, 20, "checkpoint.every=5")
     err = capfd.readouterr().err
-    assert summary.steps_done == 20
-    assert "checkpoint of step 20 FAILED" in err and "No space left on device" in err, err
-    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000010"
-    assert [CheckpointReader(p).step for p in find_checkpoints(tmp_path / "checkpoints")] == [10]
+    assert "checkpoint of step 10 FAILED" in err and "training goes on" in err, err
+    assert not (tmp_path / "COMPLETED").exists() and not (tmp_path / "STOPPED").exists()
+    failures = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "checkpoint_failed"]
+    assert [(r["step"], r["fatal"]) for r in failures] == [(10, False), (20, True)], failures
+    assert "No space left on device" in failures[0]["error"]
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000015"
+    assert [CheckpointReader(p).step for p in find_checkpoints(tmp_path / "checkpoints")] == [15, 5]
     monkeypatch.setattr(ckpt_files, "write_file", real)
     again, _ = run(tiny_shards, tmp_path, 20)
-    assert again.start_step == 10 and again.steps_done == 20
+    assert again.start_step == 15 and again.steps_done == 20
+    assert json.loads((tmp_path / "COMPLETED").read_text()) == {"step": 20}
 
 
 def test_time_limit_stops_saves_and_marks_for_requeue(tiny_shards, tmp_path):
