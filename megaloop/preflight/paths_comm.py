@@ -74,8 +74,9 @@ def expected(device, n: int) -> dict[str, float]:
 def ring_1p3b_messages(ctx: Context) -> PathResult:
     """pp2 (x dp world/2): one step of the ring schedule over RingExecutor with 25 MB messages; losses and
     gradients against their closed form, and the paired send/receive bandwidth of the stage pair."""
-    from pipeline.layout import init_layout
+    from pipeline.layout import group_ranks, init_layout
     from pipeline.ring import MicroBatch, ring_schedule
+    from pipeline.ring.channels import ring_channels
     from pipeline.ring.execute import RingExecutor
 
     start = time.perf_counter()
@@ -84,7 +85,10 @@ def ring_1p3b_messages(ctx: Context) -> PathResult:
     program = ScaledRing(layout.pp_rank, ctx.device, n, fault=ctx.faulty("pp2_1p3b_messages") and layout.pp_rank == 1)
     specs = [MicroBatch(LAPS, LAPS)] * n
     actions = ring_schedule(specs, 2, max_in_flight=2)[layout.pp_rank]
-    result = RingExecutor(program, group=layout.pp_group, device=ctx.device).run(actions, specs)
+    # NCCL's semantics on every backend: a send completes only when its receive does (the deadlock a 1.3B-sized
+    # message meets on a cluster shows here on CPU too)
+    channels = ring_channels(group_ranks(layout.tp, layout.dp, layout.pp)["pp"], layout.rank, "rendezvous")
+    result = RingExecutor(program, device=ctx.device, channels=channels).run(actions, specs)
     want = expected(ctx.device, n)
     errs = {"w0" if layout.pp_rank == 0 else "w1": program.weight.grad}
     if layout.pp_rank == 0:

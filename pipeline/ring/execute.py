@@ -116,6 +116,9 @@ class RingExecutor:
         self.check_messages = check_messages
         if channels is None:
             ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+            if len(ranks) != dist.get_world_size():  # new_group is collective over the world: every pipeline's
+                raise ValueError("a RingExecutor on a subgroup needs channels=pipeline.ring.channels.ring_channels("
+                                 "<every pipeline's ranks>, rank): creating them is collective over the world")
             channels = ring_channels([ranks], dist.get_rank())
         self.channels = channels
         self.ranks, self.rank = channels.ranks, channels.position
