@@ -199,11 +199,12 @@ class ParallelRuntime:
 
     def sum_stats(self, values: torch.Tensor) -> torch.Tensor:
         """A step's packed statistics (1-D float64) summed over every process of the job in ONE all-reduce; the
-        caller divides what tensor-parallel ranks hold identically by tp_size. The sum comes back on the CPU."""
+        caller divides what tensor-parallel ranks hold identically by tp_size. The sum stays on the communication
+        device (the caller brings it to the host without waiting, after later work is queued)."""
         t = values.detach().to(self._comm_device(), torch.float64)
         if dist.is_initialized():
             dist.all_reduce(t)
-        return t.cpu()
+        return t
 
     def world_max(self, value: float) -> float:
         """The maximum of `value` over every rank of the job (the agreed stop, checkpoint verification)."""

@@ -1,6 +1,7 @@
 """The training loop: build everything from one validated config, run the steps, log, validate, stop cleanly."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -258,11 +259,9 @@ def _run_steps(cfg, model, optimizer, sampler, flop_model, data, runtime, writer
         t_data = time.perf_counter() - t0
         depth_sample = sampler.sample(step, batch["sample_index"])
         stats = train_step(model, optimizer, batch, depth_sample, step, cfg.train.seed, cfg, runtime, flop_model,
-                           timer=timer)
+                           timer=timer, stop_code=functools.partial(_stop_code, flag, ckpt, t0))
         flag.note_step(time.perf_counter() - t0)
-        flag.note_save(ckpt.slowest_save_s)
-        seq = batch["tokens"].shape[1] - 1
-        figures = reduce_step(stats, runtime, flop_model, seq, flag.local_code())  # the step's one reduction
+        figures = reduce_step(stats, runtime)  # the step's one reduction (launched inside the step), read here
         dt = time.perf_counter() - t0
         record = _train_record(step, stats, figures, t_data, dt, summary, optimizer, guard)
         summary.steps_done = step + 1
@@ -296,6 +295,14 @@ def _run_steps(cfg, model, optimizer, sampler, flop_model, data, runtime, writer
             for depth, v in val.items():
                 writer.write({"kind": "val", "step": done, "T": depth, **v})
             progress.note(" ".join(f"T{t}:{v['val_loss']:.3f}" for t, v in val.items()))
+
+
+def _stop_code(flag, ckpt, t0: float) -> int:
+    """This rank's stop code, taken inside the step when its statistics are packed (after the micro-batches): the
+    step so far counts towards the slowest step (the time budget's margin), as does the slowest save."""
+    flag.note_step(time.perf_counter() - t0)
+    flag.note_save(ckpt.slowest_save_s)
+    return flag.local_code()
 
 
 def _train_record(step, stats, figures, t_data, dt, summary, optimizer, guard: PeakGuard) -> dict:

@@ -63,8 +63,9 @@ class SingleProcessRuntime:
 
     def sum_stats(self, values: torch.Tensor) -> torch.Tensor:
         """A step's packed statistics summed over every process of the job, in one collective (here: itself).
-        `values` is a 1-D float64 tensor on any device; the sum comes back on the CPU."""
-        return values.detach().to("cpu", torch.float64)
+        `values` is a 1-D float64 tensor on any device; the sum stays there (the caller copies it to the host
+        without waiting: megaloop.model.transfer.HostCopy)."""
+        return values.detach().to(dtype=torch.float64)
 
     def world_max(self, value: float) -> float:
         return value

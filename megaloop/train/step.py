@@ -1,6 +1,12 @@
 """One optimizer step (`train_step`): cut this rank's rows into micro-batches, forward/backward each with the loss
-weighted by its true share of the global batch's tokens, reduce gradients, clip and step; then (`reduce_step`, called
-by the loop) ONE packed reduction of the step's statistics over the whole job, which also carries the stop flag.
+weighted by its true share of the global batch's tokens, launch ONE packed reduction of the step's statistics over
+the whole job (which also carries the stop flag), reduce gradients, clip and step; then (`reduce_step`, called by the
+loop) read the reduced statistics on the host.
+
+The statistics are complete once the micro-batches have run, so their reduction is launched there, before the
+gradient reduction (the same order on every rank), and copied to the host without waiting
+(megaloop.model.transfer.HostCopy). On a GPU the step's one device sync is the optimizer's clip decision (the global
+gradient norm read on the host): it drains the stream past that copy, so `reduce_step`'s read does not wait.
 
 The micro-batch loop is the runtime's (runtime.run_micro_batches: a plain loop, or a pipeline schedule), handed the
 step's micro-batches as megaloop.model.stages.StageMicroBatch and each one's loss scale. It never waits for the
@@ -13,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,7 +27,7 @@ import torch
 
 from megaloop.depth.balance import idle_fraction, split_rank_rows
 from megaloop.model.stages import StageMicroBatch
-from megaloop.model.transfer import to_device
+from megaloop.model.transfer import HostCopy, to_device
 from megaloop.train.flops import FlopModel
 from megaloop.train.precision import autocast_for
 
@@ -55,6 +62,7 @@ class StepStats:
     ran: list = field(default_factory=list)  # (micro-batch, the core passes the model reported for it)
     times: dict = field(default_factory=lambda: {"forward": 0.0, "backward": 0.0, "optimizer": 0.0})
     record: object = None
+    summed: HostCopy | None = None  # the packed statistics summed over the job, on their way to the host
 
 
 def plan_step(depth_sample, micro_batch_size: int, by_depth: bool) -> list[MicroBatch]:
@@ -102,12 +110,13 @@ class StepTimer:
 
 
 def train_step(model, optimizer, batch: dict, depth_sample, step: int, seed: int, cfg, runtime,
-               flop_model: FlopModel, loop_guard=contextlib.nullcontext, timer: StepTimer | None = None
-               ) -> StepStats:
+               flop_model: FlopModel, loop_guard=contextlib.nullcontext, timer: StepTimer | None = None,
+               stop_code: Callable[[], int] = lambda: 0) -> StepStats:
     """batch: {"tokens": [rows, S+1], "sample_index": [rows]}: this data-parallel rank's rows (any number).
     `loop_guard()` is entered around the micro-batches' assembly and loop (tests count host syncs and blocking
     host-to-device copies inside it). `timer`: one StepTimer kept over the steps (on a GPU it reports the previous
-    step's times; a fresh one per step reports NaN there)."""
+    step's times; a fresh one per step reports NaN there). `stop_code()`: this rank's stop code (StopRequests),
+    taken when the statistics are packed, after the micro-batches."""
     tokens, sample_index = batch["tokens"], batch["sample_index"]
     device, seq = runtime.device, tokens.shape[1] - 1
     global_tokens = cfg.data.global_batch_size * seq  # a host integer: the loss is the global token mean
@@ -121,6 +130,7 @@ def train_step(model, optimizer, batch: dict, depth_sample, step: int, seed: int
         results = runtime.run_micro_batches(model, micro_batches, scales, autocast, timer)
         for mb, result in zip(plan, results):
             _accumulate(stats, result, mb, len(mb.rows) * seq)
+    stats.summed = launch_stats(stats, runtime, flop_model, seq, stop_code())  # before the gradients, on every rank
     t2 = timer.mark()
     runtime.reduce_gradients(model)
     stats.record = optimizer.step(step)
@@ -239,11 +249,18 @@ def _executed_flops(stats: StepStats, flop_model: FlopModel, seq: int) -> float:
     return total
 
 
-def reduce_step(stats: StepStats, runtime, flop_model: FlopModel, seq: int, stop_code: int) -> StepFigures:
-    """The step's statistics summed over the job in runtime.sum_stats (one collective), as figures."""
+def launch_stats(stats: StepStats, runtime, flop_model: FlopModel, seq: int, stop_code: int) -> HostCopy:
+    """The step's statistics packed and summed over the job in runtime.sum_stats (one collective), on their way to
+    the host (read by reduce_step)."""
+    vec = pack(stats, flop_model, seq, runtime.dp_rank, runtime.dp_size, stop_code, runtime.device)
+    return HostCopy(runtime.sum_stats(vec))
+
+
+def reduce_step(stats: StepStats, runtime) -> StepFigures:
+    """The step's statistics summed over the job (launched by train_step), as figures. On a GPU their copy to the
+    host has completed by now (the clip decision synchronised the stream past it): this read does not wait."""
     dp, tp, copies = runtime.dp_size, runtime.tp_size, runtime.tp_size * runtime.pp_size
-    vec = pack(stats, flop_model, seq, runtime.dp_rank, dp, stop_code, runtime.device)
-    total = runtime.sum_stats(vec).tolist()
+    total = stats.summed.tolist()
     n_tel = len(TELEMETRY)
     # the loss and telemetry come from one pipeline stage each (zero on the others), the host sums and core passes
     # from every stage of a dp rank alike

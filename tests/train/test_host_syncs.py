@@ -16,6 +16,16 @@ Not seen: Tensor.copy_ between a host and a device tensor (nothing in the step w
 zero blocking copies, on one process, under dp2 with depth balancing (micro-batches of different sizes on the two
 ranks) and under pp2 (the ring stages' per-lap work).
 
+Device-to-host reads over a whole step (from the start of train_step to the end of reduce_step) are counted by
+`DeviceReads`, with the same CUDA emulation: a tensor is "on the device" when it is a parameter or a gradient, an
+emulated host-to-device copy, or computed from one (tracked op by op); a read is `.tolist()`, `.numpy()`, `.cpu()`,
+a scalar read (.item(), float(), bool(): aten._local_scalar_dense, is_nonzero), a data-dependent shape (nonzero,
+masked_select), a `copy_` from the device into host memory that is not pinned+non_blocking, and a CUDA event waited
+on (torch.cuda.Event emulated) before any later read drained the stream past it. Reads made inside the optimizer's
+clip decision (megaloop.optim.clip.clip_grad_tensors: the global gradient norm on the host) are the step's one
+allowed device sync and are counted apart. Expected: no other read per step (the packed statistics' read waits on an
+event the clip has drained).
+
 The collectives of a dp2 step (from the start of train_step to the end of its statistics reduction) are counted by
 wrapping torch.distributed's functions and attributed by the caller: exactly one is the packed statistics reduction
 (runtime.sum_stats); every other one is issued from train_step's backward, gradient reduction or optimizer calls
@@ -30,6 +40,7 @@ import traceback
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import megaloop.model.transfer as transfer
@@ -75,11 +86,116 @@ class SyncCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class DeviceReads(TorchDispatchMode):
+    """Device-to-host reads per step, and the clip decision's reads apart (see the module docstring). Tensors on the
+    emulated device carry `_device_for_test`."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps: list[dict] = []  # per step: {"reads": [where...], "clip": n}
+        self.drains = 0  # reads so far: each one waits for everything queued before it
+
+    def begin_step(self, model) -> None:
+        self.steps.append({"reads": [], "clip": 0})
+        for p in model.parameters():
+            mark_device(p)
+            if p.grad is not None:
+                mark_device(p.grad)
+
+    def read(self, what: str) -> None:
+        stack = traceback.extract_stack()[:-2]
+        self.drains += 1
+        if not self.steps:
+            return
+        if any(frame.name == "clip_grad_tensors" for frame in stack):
+            self.steps[-1]["clip"] += 1
+        else:
+            self.steps[-1]["reads"].append(f"{what}: " + "".join(traceback.format_list(stack[-3:])))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if name == "copy_":
+            dst, src = args[0], args[1]
+            non_blocking = kwargs.get("non_blocking", len(args) > 2 and args[2] is True)
+            out = func(*args, **kwargs)
+            if on_device(src) and not on_device(dst) and not (non_blocking and dst.is_pinned()):
+                self.read("blocking copy_ to the host")
+            return out
+        if name in SYNC_OPS and any(on_device(t) for t in inputs):
+            self.read(f"aten.{name}")
+        out = func(*args, **kwargs)
+        if any(on_device(t) for t in inputs):
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    mark_device(t)
+        return out
+
+
+def mark_device(t: torch.Tensor) -> torch.Tensor:
+    t._device_for_test = True
+    return t
+
+
+def on_device(t) -> bool:
+    return isinstance(t, torch.Tensor) and getattr(t, "_device_for_test", False)
+
+
+class EmulatedEvent:
+    """torch.cuda.Event on the emulated stream: complete once a later read has drained the stream; waiting on it
+    before then is a device-to-host read of its own."""
+
+    reads: DeviceReads | None = None
+
+    def __init__(self, enable_timing=False, **kwargs):
+        self.recorded_at = None
+
+    def record(self, stream=None):
+        self.recorded_at = self.reads.drains
+
+    def query(self) -> bool:
+        return self.reads.drains > self.recorded_at
+
+    def synchronize(self):
+        if not self.query():
+            self.reads.read("event.synchronize() before the stream was drained")
+
+
+@contextlib.contextmanager
+def emulated_device_reads(reads: DeviceReads):
+    """Tensor.tolist / numpy / cpu of a device tensor counted as reads, torch.cuda.Event emulated."""
+    real = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy", "cpu")}
+    real_event = torch.cuda.Event
+
+    def reader(name):
+        def method(self, *args, **kwargs):
+            if on_device(self):
+                reads.read(f"Tensor.{name}()")
+            out = real[name](self, *args, **kwargs)
+            if name == "cpu" and out is self:  # a host copy: a new tensor, not on the device
+                out = self.detach().clone()
+                out.__dict__.pop("_device_for_test", None)
+            return out
+        return method
+
+    for name in real:
+        setattr(torch.Tensor, name, reader(name))
+    EmulatedEvent.reads, torch.cuda.Event = reads, EmulatedEvent
+    try:
+        yield reads
+    finally:
+        for name, fn in real.items():
+            setattr(torch.Tensor, name, fn)
+        torch.cuda.Event = real_event
+
+
 class CopyCounter:
     """Counts host-to-device copies that would block on a CUDA device (see the module docstring), while `active`."""
 
     def __init__(self):
         self.active = False
+        self.reading = False  # inside a step (DeviceReads counting): copies to a device mark their result
         self.blocking: list[str] = []
 
     def __enter__(self):
@@ -109,7 +225,11 @@ def emulated_cuda_copies(copies: CopyCounter):
 
     def to(self, *args, **kwargs):
         copies.check(self, args, kwargs, 1 if args and isinstance(args[0], (str, torch.device)) else 2)
-        return real["to"](self, *args, **kwargs)
+        out = real["to"](self, *args, **kwargs)
+        device = kwargs.get("device", next((a for a in args if isinstance(a, (str, torch.device))), None))
+        if copies.reading and device is not None and not on_device(self):  # a host-to-device copy: on the device
+            out = mark_device(out.view_as(out) if out is self else out)
+        return out
 
     def cuda(self, device=None, non_blocking=False, **kwargs):
         copies.check(self, ("cuda",), {"non_blocking": non_blocking}, 1)
@@ -154,7 +274,7 @@ def _origin(name: str, stack) -> str:
 def traced_train(cfg, runtime=None) -> dict:
     """Run the trainer with the loop guard counting host syncs and blocking host-to-device copies, and the
     collectives of each step attributed."""
-    counter, copies = SyncCounter(), CopyCounter()
+    counter, copies, reads = SyncCounter(), CopyCounter(), DeviceReads()
     calls, active = [], {"on": False}
     real_step, real_reduce = loop.train_step, loop.reduce_step
 
@@ -168,13 +288,17 @@ def traced_train(cfg, runtime=None) -> dict:
         calls.append("step")
         counter.weights = {p.data_ptr(): name for name, p in model.named_parameters() if p.is_floating_point()}
         counter.casts.append(collections.Counter())
+        reads.__enter__()  # left at the end of reduce_step: the whole step
+        copies.reading = True
+        reads.begin_step(model)
         return real_step(model, *args, loop_guard=guard, **kwargs)
 
     def reduce_step(*args, **kwargs):
         try:
             return real_reduce(*args, **kwargs)
         finally:
-            active["on"] = False
+            active["on"] = copies.reading = False
+            reads.__exit__(None, None, None)
 
     def wrap(name, fn):
         @functools.wraps(fn)
@@ -197,7 +321,7 @@ def traced_train(cfg, runtime=None) -> dict:
     for name, fn in saved.items():
         setattr(dist, name, wrap(name, fn))
     try:
-        with emulated_cuda_copies(copies):
+        with emulated_cuda_copies(copies), emulated_device_reads(reads):
             summary = train(cfg, runtime)
     finally:
         loop.train_step, loop.reduce_step = real_step, real_reduce
@@ -213,7 +337,16 @@ def traced_train(cfg, runtime=None) -> dict:
         else:
             current[c] += 1
     return {"syncs": list(counter.seen), "weight_casts": counter.casts, "blocking_copies": copies.blocking,
-            "per_step": per_step, "steps": calls.count("step"), "losses": summary.losses}
+            "per_step": per_step, "steps": calls.count("step"), "losses": summary.losses,
+            "reads": [step["reads"] for step in reads.steps], "clip_reads": [step["clip"] for step in reads.steps]}
+
+
+def check_reads(got: dict, label: str) -> None:
+    """Per step: no device-to-host read but the clip decision's (which does read)."""
+    print(f"{label}: device-to-host reads per step outside the clip decision: "
+          f"{[len(r) for r in got['reads']]}; the clip decision's reads: {got['clip_reads']}")
+    assert len(got["reads"]) == STEPS and all(got["clip_reads"])
+    assert all(r == [] for r in got["reads"]), next(r for r in got["reads"] if r)[0]
 
 
 def test_no_host_sync_in_the_micro_batch_loop_single_process(tiny_shards, tmp_path):
@@ -223,6 +356,7 @@ def test_no_host_sync_in_the_micro_batch_loop_single_process(tiny_shards, tmp_pa
     assert got["steps"] == STEPS and len(got["losses"]) == STEPS
     assert got["syncs"] == []
     assert got["blocking_copies"] == [], got["blocking_copies"][0]
+    check_reads(got, "one process")
 
 
 def test_counter_sees_a_host_sync(tiny_shards, tmp_path):
@@ -279,6 +413,7 @@ def test_no_host_sync_and_one_stats_reduction_per_step(tiny_shards, tmp_path, dp
               + ", ".join(f"{s['stats']} statistics + {s['gradient']} gradient/optimizer" for s in got["per_step"]))
         assert got["syncs"] == []
         assert got["blocking_copies"] == [], got["blocking_copies"][0]
+        check_reads(got, f"dp{dp} pp{pp} rank {rank}")
         assert len(got["per_step"]) == STEPS
         for step in got["per_step"]:
             assert step["stats"] == 1 and step["gradient"] >= 1
@@ -333,3 +468,27 @@ def test_cuda_step_times_are_read_one_step_later(monkeypatch):
         else:
             assert times["forward"] == 1.0 and read[-1]
     assert StepTimer(torch.device("cpu")).totals() == {"forward": 0, "backward": 0, "optimizer": 0}
+
+
+def test_read_counter_sees_device_reads():
+    """DeviceReads is not blind: a blocking read of a device value is counted, a pinned non-blocking copy whose event
+    a later read (here, a stand-in for the clip decision) drained is not, and an event waited on before any drain is;
+    reads of host tensors are not counted. HostCopy takes its CUDA path under the emulation."""
+    reads, real_tolist, real_event = DeviceReads(), torch.Tensor.tolist, torch.cuda.Event
+    with emulated_cuda_copies(CopyCounter()) as copies, emulated_device_reads(reads):
+        copies.reading = True
+        with reads:
+            reads.begin_step(torch.nn.Linear(1, 1))
+            x = torch.arange(3.0).to("cpu", non_blocking=True) * 2  # an emulated host-to-device copy: device
+            torch.arange(2.0).tolist(), float(torch.ones(()).sum())  # host values: not counted
+            early, late = transfer.HostCopy(x), transfer.HostCopy(x + 1)
+            assert early.host.is_pinned() and not on_device(early.host)
+            early.tolist()  # waited on before any read drained the stream: a read
+            float(x.sum())  # a blocking scalar read
+            assert late.tolist() == [1.0, 3.0, 5.0]  # drained by the reads above: not counted
+            x.cpu()
+            torch.empty(3).copy_(x)  # pageable destination: blocking
+    got = [r.split(":")[0] for r in reads.steps[0]["reads"]]
+    assert got == ["event.synchronize() before the stream was drained", "aten._local_scalar_dense", "Tensor.cpu()",
+                   "blocking copy_ to the host"], got
+    assert torch.cuda.Event is real_event and torch.Tensor.tolist is real_tolist  # torch left as it was
