@@ -53,10 +53,10 @@ def interrupted_at(step: int, monkeypatch) -> None:
     """Make the training step raise at `step` (a process killed there: no checkpoint, metrics already written)."""
     real = loop.train_step
 
-    def train_step(model, optimizer, batch, depth_sample, at, *args):
+    def train_step(model, optimizer, batch, depth_sample, at, *args, **kwargs):
         if at == step:
             raise KeyboardInterrupt
-        return real(model, optimizer, batch, depth_sample, at, *args)
+        return real(model, optimizer, batch, depth_sample, at, *args, **kwargs)
 
     monkeypatch.setattr(loop, "train_step", train_step)
 
