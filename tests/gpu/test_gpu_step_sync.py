@@ -1,7 +1,9 @@
 """A whole training step on one GPU, compiled (train.compile) with flash-attn, under CUDA's sync debug mode
 (scripts/gpu_check.sh; skipped without a GPU): the micro-batch loops with the mode at "error" (a host
 synchronisation there raises, naming the op), the whole step (loops, gradient reduction, clipping, optimizer, the
-step's timings) with it at "warn", each synchronisation counted: at most STEP_SYNCS, the clip's skip decision.
+step's timings, the read of the step's reduced statistics) with it at "warn", each synchronisation counted: at most
+STEP_SYNCS, the clip's skip decision; by the time the step returns, the clip's read has drained the stream past
+the statistics' copy to the host (its event has completed), so reading them does not wait.
 
 Without flash-attn installed the test skips, naming requirements-gpu.txt; flash-attn installed but not importable
 (a build for another torch or CUDA) fails, naming the package."""
@@ -68,7 +70,7 @@ def build(tmp_path):
 
 
 def test_whole_compiled_step_with_flash_attn_has_no_stray_sync(tmp_path):
-    from megaloop.train.step import train_step
+    from megaloop.train.step import reduce_step, train_step
 
     module = require_flash_attn()
     cfg, runtime, model, optimizer, batch, sampler, flops = build(tmp_path)
@@ -86,6 +88,8 @@ def test_whole_compiled_step_with_flash_attn_has_no_stray_sync(tmp_path):
         warnings.simplefilter("always")
         with sync_mode("warn", then="default"):
             stats = run(loop_guard=lambda: sync_mode("error", then="warn"))
+            drained = stats.summed.done.query()  # the statistics' host copy completed: the clip synced past it
+            figures = reduce_step(stats, runtime)
         torch.cuda.synchronize()
     syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
     print(f"one compiled bf16 step of parcae-tiny with {module} ({ROWS} rows, depths {depths.T.tolist()}): micro-batch "
@@ -93,3 +97,4 @@ def test_whole_compiled_step_with_flash_attn_has_no_stray_sync(tmp_path):
           f"{syncs}")
     assert torch.isfinite(torch.as_tensor(stats.record.grad_norm)).all()
     assert len(syncs) <= STEP_SYNCS, syncs
+    assert drained and figures.tokens == ROWS * cfg.model.seq_len
