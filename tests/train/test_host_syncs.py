@@ -324,6 +324,8 @@ def traced_train(cfg, runtime=None) -> dict:
         with emulated_cuda_copies(copies), emulated_device_reads(reads):
             summary = train(cfg, runtime)
     finally:
+        if copies.reading:  # a step that raised: leave its read counting
+            reads.__exit__(None, None, None)
         loop.train_step, loop.reduce_step = real_step, real_reduce
         for name, fn in saved.items():
             setattr(dist, name, fn)
