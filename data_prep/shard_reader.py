@@ -75,9 +75,12 @@ class ShardRows:
     def __init__(self, path: Path, entry: dict, row_len: int, dtype, vocab_size: int):
         self.name = entry["name"]
         self.row_len, self.dtype, self.vocab_size = row_len, np.dtype(dtype), vocab_size
-        self.index, header = manifest_index(path, entry, row_len, dtype)
-        with open(path, "rb") as handle:
-            self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            self.index, header = manifest_index(path, entry, row_len, dtype)
+            with open(path, "rb") as handle:
+                self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        except OSError as exc:  # missing or unreadable: a corrupt shard set, with the same remedies
+            raise CorruptShardError(self.name, f"cannot read the shard file: {exc.strerror or exc}", REMEDY) from None
         self._check_members(header)
         self._view = np.ndarray((self.index.rows, row_len), dtype=self.dtype, buffer=self._map,
                                 offset=self.index.data_offset, strides=(self.index.stride, self.dtype.itemsize))

@@ -71,7 +71,7 @@ def run(config_path: str, overrides: list[str], runtime_factory):
     runtime = runtime_factory(cfg, torch.device("cpu"))
     summary = train(cfg, runtime=runtime)
     tp_info = getattr(runtime, "tp_info", None)
-    group = runtime.layout.tp_group if hasattr(runtime, "layout") else None
+    group = runtime.layout.tp_group if runtime.layout is not None else None
     params = {n: gather_full(p.detach(), tp_info.shards.get(n) if tp_info else None, group)
               for n, p in runtime.model.named_parameters()}
     reducer = getattr(runtime, "reducer", None)
