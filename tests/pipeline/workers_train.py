@@ -24,9 +24,9 @@ def set_orth_dtype(optimizer) -> None:
 class ReferenceRuntime(SingleProcessRuntime):
     """The single-process runtime, keeping the model and running Muon's iteration in fp32."""
 
-    def prepare_model(self, model):
-        self.model = model
-        return model
+    def prepare_model(self, model, materialize=None):
+        self.model = super().prepare_model(model, materialize)
+        return self.model
 
     def prepare_optimizer(self, optimizer):
         set_orth_dtype(optimizer)
@@ -71,7 +71,7 @@ def run(config_path: str, overrides: list[str], runtime_factory):
     runtime = runtime_factory(cfg, torch.device("cpu"))
     summary = train(cfg, runtime=runtime)
     tp_info = getattr(runtime, "tp_info", None)
-    group = runtime.layout.tp_group if hasattr(runtime, "layout") else None
+    group = runtime.layout.tp_group if runtime.layout is not None else None
     params = {n: gather_full(p.detach(), tp_info.shards.get(n) if tp_info else None, group)
               for n, p in runtime.model.named_parameters()}
     reducer = getattr(runtime, "reducer", None)
