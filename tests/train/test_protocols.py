@@ -159,3 +159,27 @@ def test_use_is_read_from_code_only():
               "    runtime.a(); x = runtime.b.c; self.runtime.d; cfg.data.e; data.f  # runtime.comment\n")
     assert used_members("runtime", [sample]) == {"a", "b", "d"}
     assert used_members("data", [sample]) == {"f"}
+
+
+def test_only_a_runtime_that_plans_ahead_gets_a_prefetch_planner():
+    """schedule_ahead reads plans_ahead: the loader's prefetch thread plans for a pipeline runtime only, handing it
+    each step's micro-batches on the host; the others' plan_ahead (a no-op) is never called."""
+    from megaloop.config import load_config
+    from megaloop.train.step import schedule_ahead
+    from tests.train.conftest import TINY
+
+    class Planning(SingleProcessRuntime):
+        plans_ahead = True
+
+        def plan_ahead(self, model, micro_batches):
+            self.planned.append((model, micro_batches))
+
+    cfg = load_config(str(TINY), ["model.seq_len=8", "data.micro_batch_size=2", "data.global_batch_size=4"])
+    assert schedule_ahead(cfg, SingleProcessRuntime(torch.device("cpu")), model="m") is None
+    runtime = Planning(torch.device("cpu"))
+    runtime.planned = []
+    prepare = schedule_ahead(cfg, runtime, model="m")
+    prepare(3, {"tokens": torch.arange(36).reshape(4, 9), "sample_index": torch.arange(4)})
+    [(model, micro_batches)] = runtime.planned
+    assert model == "m" and sum(len(mb.input_ids) for mb in micro_batches) == 4
+    assert all(mb.input_ids.device.type == "cpu" for mb in micro_batches)
