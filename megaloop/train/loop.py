@@ -143,8 +143,8 @@ def choose_precision(cfg: Config, device: torch.device) -> PrecisionChoice:
     return resolve_precision(cfg.train.precision, device, slowdown)
 
 
-def build_model_and_optimizer(cfg: Config, runtime: TrainerRuntime, device: torch.device, native_bf16: bool | None = None,
-                              init: bool = True):
+def build_model_and_optimizer(cfg: Config, runtime: TrainerRuntime, device: torch.device,
+                              native_bf16: bool | None = None, init: bool = True):
     """The model as the runtime runs it (split, wrapped) and its optimizer, distributed as the layout needs. The model
     is built on the meta device and each rank materialises only what it holds (its tensor-parallel pieces of its
     pipeline stage's parameters): initialised (init, split over the data-parallel ranks, see
@@ -181,7 +181,8 @@ def init_split(runtime: TrainerRuntime) -> InitSplit | None:
     return InitSplit(layout.dp_group, tuple(layout.dp_ranks), layout.dp_rank)
 
 
-def _run(cfg, runtime: TrainerRuntime, model, optimizer, data: DataSource, ckpt, start, device, choice: PrecisionChoice, flag) -> RunSummary:
+def _run(cfg, runtime: TrainerRuntime, model, optimizer, data: DataSource, ckpt, start, device,
+         choice: PrecisionChoice, flag) -> RunSummary:
     """Steps start .. train.steps (or until an agreed stop), the checkpoints, then the final validation."""
     out_dir = Path(cfg.train.out_dir)
     sampler = make_sampler(cfg.model.depth_sampler, cfg.model.mu_rec, cfg.model.backprop_depth, seed=cfg.train.seed)

@@ -240,7 +240,8 @@ def _executed_flops(stats: StepStats, flop_model: FlopModel, seq: int) -> float:
     return total
 
 
-def reduce_step(stats: StepStats, runtime: TrainerRuntime, flop_model: FlopModel, seq: int, stop_code: int) -> StepFigures:
+def reduce_step(stats: StepStats, runtime: TrainerRuntime, flop_model: FlopModel, seq: int,
+                stop_code: int) -> StepFigures:
     """The step's statistics summed over the job in runtime.sum_stats (one collective), as figures."""
     dp, tp, copies = runtime.dp_size, runtime.tp_size, runtime.tp_size * runtime.pp_size
     vec = pack(stats, flop_model, seq, runtime.dp_rank, dp, stop_code, runtime.device)
