@@ -203,22 +203,26 @@ class DeepSpeedRuntime(ParallelRuntime):
         self.proxy: DeepSpeedModel | None = None
         self._backwards = 0
 
-    def prepare_model(self, model: torch.nn.Module):
+    def prepare_model(self, model: torch.nn.Module, materialize=None):
+        """The model behind DeepSpeed's engine (made in prepare_optimizer); materialize(model, None), when given,
+        fills it first (nothing is split: tp = 1)."""
+        if materialize is not None:
+            materialize(model, None)
         self.model = model
         self.proxy = DeepSpeedModel(model, self.layout.dp_group, check_equal_loops=self.zero_stage == 3,
                                     comm_device=self._comm_device())
         return self.proxy
 
-    def prepare_optimizer(self, combined):
+    def prepare_optimizer(self, optimizer):
         """Build the engine from the combined optimizer's AdamW group (Muon: error, see module docstring)."""
-        if getattr(combined, "muon", None) is not None:
+        if getattr(optimizer, "muon", None) is not None:
             raise ValueError(MUON_UNSUPPORTED)
-        g = combined.adamw.param_groups[0]
+        g = optimizer.adamw.param_groups[0]
         config = deepspeed_config(self.zero_stage, self.micro_batch, self.micro_batches_per_step, self.layout.dp,
-                                  g["lr"], g["betas"], g["eps"], g["weight_decay"], combined.cfg.grad_clip,
+                                  g["lr"], g["betas"], g["eps"], g["weight_decay"], optimizer.cfg.grad_clip,
                                   self.offload, self.bf16)
         self.proxy.engine = initialize_engine(self.model, config)
-        return DeepSpeedOptimizer(self.proxy.engine, combined)
+        return DeepSpeedOptimizer(self.proxy.engine, optimizer)
 
     def backward(self, loss: torch.Tensor) -> None:
         """DeepSpeed's backward; the loss (already a share of the global token mean) times dp, so DeepSpeed's

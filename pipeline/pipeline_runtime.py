@@ -108,6 +108,7 @@ class PipelineRuntime(ParallelRuntime):
     it makes every pipeline's channel groups (pipeline.ring.channels)."""
 
     runs_pipeline = True
+    plans_ahead = True  # the trainer calls plan_ahead from the loader's prefetch thread
 
     def __init__(self, layout, tp_plan, muon_functions, stage_functions: StageFunctions, zero_stage: int = 1,
                  grad_reduce_dtype: str = "fp32", in_flight: int = 3, check_messages: bool = False,

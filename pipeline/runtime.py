@@ -1,4 +1,5 @@
-"""The multi-process runtime the trainer talks to (same methods as megaloop's SingleProcessRuntime).
+"""The multi-process runtime the trainer talks to (the members of megaloop's TrainerRuntime protocol, provided
+structurally: pipeline never imports megaloop).
 
     runtime = ParallelRuntime(layout, tp_plan, muon_functions, zero_stage=1, grad_reduce_dtype="fp32")
     model = runtime.prepare_model(model)                 # tensor parallelism (plan); the gradient buffer waits
@@ -37,6 +38,8 @@ class ParallelRuntime:
     """Tensor + data parallelism for the trainer; see the module docstring. pp > 1: pipeline.pipeline_runtime."""
 
     runs_pipeline = False
+    plans_ahead = False  # plan_ahead does nothing (a pipeline runtime makes its ring schedules ahead)
+    layout: ParallelLayout
 
     def __init__(self, layout: ParallelLayout, tp_plan, muon_functions: MuonFunctions | None = None,
                  zero_stage: int = 1, bucket_elements: int | None = None, grad_reduce_dtype: str = "fp32",
@@ -141,6 +144,10 @@ class ParallelRuntime:
         overlapped with the gradient reduction); the per-micro-batch results (pipeline.micro_batches). The DeepSpeed
         runtime inherits it: its backward goes through the engine."""
         return run_micro_batches(self, model, micro_batches, scales, autocast, timer)
+
+    def plan_ahead(self, model, micro_batches) -> None:
+        """Nothing: the micro-batches run as a plain loop, with no schedule to make ahead."""
+        return None
 
     def forward_losses(self, model, micro_batches, autocast=contextlib.nullcontext) -> list[float]:
         """Each micro-batch's mean token loss, without backward (validation)."""

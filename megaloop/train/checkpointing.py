@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from megaloop.config import Config
+from megaloop.train.protocols import DataSource, TrainerRuntime
 
 STOP_EXIT_CODE = 75  # sysexits' EX_TEMPFAIL: the run stopped early on request and saved; run it again to continue
 METADATA_VERSION = 1
@@ -69,7 +70,7 @@ def checkpoint_root(cfg: Config) -> Path:
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.train.out_dir) / "checkpoints"
 
 
-def state_pieces(model, optimizer, runtime) -> tuple[list, dict]:
+def state_pieces(model, optimizer, runtime: TrainerRuntime) -> tuple[list, dict]:
     """This rank's pieces of every global array (parameters and optimizer state) and the optimizer's scalars."""
     from checkpoints.pieces import Piece
     from megaloop.optim.combined import sharded_state
@@ -96,7 +97,7 @@ class ShardReader:
     the checkpoint has no such array. rows(array, param, start, stop): rows [start, stop) of this rank's shard
     only (what a ZeRO-1 rank updates), reading just the chunks they touch."""
 
-    def __init__(self, reader, runtime):
+    def __init__(self, reader, runtime: TrainerRuntime):
         self.reader, self.runtime = reader, runtime
 
     def _shard(self, array: str, param: str):
@@ -131,7 +132,7 @@ class ShardReader:
         return read_rows(self._region(array), local_shape, spec, self.runtime.tp_rank, start, stop)
 
 
-def make_reader_fn(reader, runtime) -> ShardReader:
+def make_reader_fn(reader, runtime: TrainerRuntime) -> ShardReader:
     """The reader the model and the optimizers load through (see :class:`ShardReader`)."""
     return ShardReader(reader, runtime)
 
@@ -178,7 +179,7 @@ def verify_share(sizes: dict[str, int], rank: int, world: int) -> list[str]:
 class RunCheckpoints:
     """Saving and resuming one training job; every method is called by every rank at the same point."""
 
-    def __init__(self, cfg: Config, runtime):
+    def __init__(self, cfg: Config, runtime: TrainerRuntime):
         self.cfg, self.runtime = cfg, runtime
         self.root = checkpoint_root(cfg)
         self.enabled = cfg.parallel.engine == "native"
@@ -207,7 +208,7 @@ class RunCheckpoints:
                          self.runtime.all_gather_object([str(p) for p in find_checkpoints(self.root)])[0]]
         return self._own
 
-    def restore(self, model, optimizer, data) -> int:
+    def restore(self, model, optimizer, data: DataSource) -> int:
         """Load the state the run continues from (see the module docstring); returns the first step to run."""
         if not self.enabled:
             self._note("no checkpoints under parallel.engine=deepspeed (its partitioned optimizer state is not saved "
@@ -306,7 +307,7 @@ class RunCheckpoints:
             self._note(f"moved the unusable checkpoint to {aside}")
         return aside
 
-    def _load_full(self, reader, model, optimizer, data) -> None:
+    def _load_full(self, reader, model, optimizer, data: DataSource) -> None:
         from megaloop.optim.combined import join_names, load_sharded_state, parameter_names
         from megaloop.train.rerun import schedule_horizon
 
@@ -332,7 +333,7 @@ class RunCheckpoints:
         load_sharded_state(optimizer, read, meta["optimizer"], held)
         if hasattr(optimizer, "total_steps"):
             optimizer.total_steps = schedule_horizon(meta, self.cfg, int(reader.step), self._note)
-        data.loader.load_state_dict(meta["loader"])
+        data.load_state_dict(meta["loader"])
         self.resumed_step = int(reader.step)
         self.tokens_before = int(meta.get("tokens", 0))
         self.last_saved_step = self.resumed_step
@@ -343,7 +344,7 @@ class RunCheckpoints:
                    f"pp={now.get('pp', 1)} dp={now['dp']})")
 
     # ---- saving ----------------------------------------------------------------------------------------------
-    def save(self, step: int, model, optimizer, data, tokens_this_job: int, wait: bool = False) -> None:
+    def save(self, step: int, model, optimizer, data: DataSource, tokens_this_job: int, wait: bool = False) -> None:
         """Save the state after `step` optimizer steps (asynchronously unless `wait`; the next save waits). wait: the
         save must land (the final or stop save): a failure raises SaveFailed (see wait)."""
         from megaloop.train.runtime import phase_timeout
@@ -354,7 +355,7 @@ class RunCheckpoints:
         with phase_timeout(self.runtime, p.startup_timeout_s, then=p.timeout_s):  # ranks wait on the slowest
             self._save(step, model, optimizer, data, tokens_this_job, wait)
 
-    def _save(self, step: int, model, optimizer, data, tokens_this_job: int, wait: bool) -> None:
+    def _save(self, step: int, model, optimizer, data: DataSource, tokens_this_job: int, wait: bool) -> None:
         from megaloop.optim.combined import merge_scalars
 
         self.runtime.finish_param_gather()  # the parameters read below hold their new values

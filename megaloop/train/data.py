@@ -20,8 +20,10 @@ from megaloop.config import Config, ConfigError
 
 
 class ShardData:
-    """pin: the training batches' tokens pinned in the loader's prefetch thread (`pin_batches`); layout: see
-    open_data."""
+    """The trainer's DataSource (megaloop.train.protocols). pin: the training batches' tokens pinned in the
+    loader's prefetch thread (`pin_batches`); layout: see open_data."""
+
+    bytes_per_token: float | None  # of the val split's text (None: unknown), set from the manifest
 
     def __init__(self, cfg: Config, dp_rank: int, dp_size: int, layout=None, pin: bool = False):
         from data_prep.loader import ShardLoader
@@ -90,10 +92,12 @@ class ShardData:
     def state_dict(self) -> dict:
         return self.loader.state_dict()
 
+    def load_state_dict(self, state: dict) -> None:
+        """Continue reading from `state` (a resumed run's position, from state_dict)."""
+        self.loader.load_state_dict(state)
+
     def close(self) -> None:
-        close = getattr(self.loader, "close", None)
-        if close is not None:
-            close()
+        self.loader.close()
         if self.replica is not None:
             self.replica.close()
 

@@ -12,6 +12,7 @@ import torch
 
 from megaloop.model.stages import StageMicroBatch
 from megaloop.train.precision import autocast_for
+from megaloop.train.protocols import TrainerRuntime
 
 VAL_NOISE_STEP = -1
 
@@ -31,7 +32,8 @@ def final_val_depths(cfg, periodic: list[int]) -> list[int]:
 
 @torch.no_grad()
 def validation_losses(model, batches: list[dict], depths: list[int], seed: int, precision: str, device,
-                      runtime, bytes_per_token: float | None = None, progress=None) -> dict[int, dict]:
+                      runtime: TrainerRuntime, bytes_per_token: float | None = None, progress=None
+                      ) -> dict[int, dict]:
     """{T: {"val_loss", "val_bpb", "tokens"}} over the given validation batches (token-weighted, summed over dp).
 
     val_loss and val_bpb are NaN when there is no validation token. progress: the Progress whose terminal shows a
@@ -48,7 +50,8 @@ def validation_losses(model, batches: list[dict], depths: list[int], seed: int, 
             bar.close()
 
 
-def _losses(model, batches, depths, seed, precision, device, runtime, bytes_per_token, bar) -> dict[int, dict]:
+def _losses(model, batches, depths, seed, precision, device, runtime: TrainerRuntime, bytes_per_token, bar
+            ) -> dict[int, dict]:
     was_training = model.training
     model.eval()
     results = {}

@@ -24,6 +24,7 @@ from megaloop.train.peak import PeakGuard, cpu_peak
 from megaloop.train.precision import PrecisionChoice, apply_optimizer_precision, param_dtype, resolve_precision
 from megaloop.train.metrics import MetricsWriter
 from megaloop.train.progress import Progress
+from megaloop.train.protocols import DataSource, TrainerRuntime
 from megaloop.train.runtime import set_phase_timeout
 from megaloop.train.step import StepTimer, reduce_step, schedule_ahead, train_step
 from megaloop.train.stopping import StartupStop, StopRequests, deadline_from
@@ -75,7 +76,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def train(cfg: Config, runtime=None) -> RunSummary:
+def train(cfg: Config, runtime: TrainerRuntime | None = None) -> RunSummary:
     """Run (or continue) cfg.train.steps optimizer steps. All outputs go under cfg.train.out_dir. A stop signal
     before the first step raises StartupStop (rank 0 leaves a STOPPED marker); see megaloop.train.stopping."""
     from megaloop.train.checkpointing import mark_startup_stop
@@ -88,7 +89,7 @@ def train(cfg: Config, runtime=None) -> RunSummary:
         raise
 
 
-def _is_main(runtime) -> bool:
+def _is_main(runtime: TrainerRuntime | None) -> bool:
     """Rank 0 (before the runtime exists: from the launcher's environment, as pipeline.layout reads it)."""
     if runtime is not None:
         return runtime.is_main
@@ -99,7 +100,7 @@ def _is_main(runtime) -> bool:
     return True
 
 
-def _train(cfg: Config, runtime) -> RunSummary:
+def _train(cfg: Config, runtime: TrainerRuntime | None) -> RunSummary:
     from megaloop.train.checkpointing import RunCheckpoints
     from megaloop.train.rerun import recorded_summary
     from megaloop.train.runtime import make_runtime
@@ -143,8 +144,8 @@ def choose_precision(cfg: Config, device: torch.device) -> PrecisionChoice:
     return resolve_precision(cfg.train.precision, device, slowdown)
 
 
-def build_model_and_optimizer(cfg: Config, runtime, device: torch.device, native_bf16: bool | None = None,
-                              init: bool = True):
+def build_model_and_optimizer(cfg: Config, runtime: TrainerRuntime, device: torch.device,
+                              native_bf16: bool | None = None, init: bool = True):
     """The model as the runtime runs it (split, wrapped) and its optimizer, distributed as the layout needs. The model
     is built on the meta device and each rank materialises only what it holds (its tensor-parallel pieces of its
     pipeline stage's parameters): initialised (init, split over the data-parallel ranks, see
@@ -168,20 +169,21 @@ def build_model_and_optimizer(cfg: Config, runtime, device: torch.device, native
     else:
         fill(model, None)
         model = runtime.prepare_model(model)
-    parts = runtime.optimizer_parts() if hasattr(runtime, "optimizer_parts") else None
+    parts = runtime.optimizer_parts()
     optimizer = build_optimizer(model.named_parameters(), cfg.optim, cfg.train.steps, parts=parts)
     return model, runtime.prepare_optimizer(apply_optimizer_precision(optimizer, precision, native_bf16))
 
 
-def init_split(runtime) -> InitSplit | None:
+def init_split(runtime: TrainerRuntime) -> InitSplit | None:
     """The data-parallel group that shares this rank's init (None: a single process, or dp 1)."""
-    layout = getattr(runtime, "layout", None)
+    layout = runtime.layout
     if layout is None or layout.dp == 1:
         return None
     return InitSplit(layout.dp_group, tuple(layout.dp_ranks), layout.dp_rank)
 
 
-def _run(cfg, runtime, model, optimizer, data, ckpt, start, device, choice: PrecisionChoice, flag) -> RunSummary:
+def _run(cfg, runtime: TrainerRuntime, model, optimizer, data: DataSource, ckpt, start, device,
+         choice: PrecisionChoice, flag) -> RunSummary:
     """Steps start .. train.steps (or until an agreed stop), the checkpoints, then the final validation."""
     out_dir = Path(cfg.train.out_dir)
     sampler = make_sampler(cfg.model.depth_sampler, cfg.model.mu_rec, cfg.model.backprop_depth, seed=cfg.train.seed)
@@ -237,7 +239,7 @@ def _note_peak(summary: RunSummary, guard: PeakGuard) -> None:
     summary.peak_unreliable_steps = guard.unreliable_steps
 
 
-def _print_header(cfg: Config, runtime, summary: RunSummary, choice: PrecisionChoice) -> None:
+def _print_header(cfg: Config, runtime: TrainerRuntime, summary: RunSummary, choice: PrecisionChoice) -> None:
     """One line before the first step: what runs where, in which precision and why, against which peak."""
     layout = runtime.describe_layout()
     print(f"megaloop: train {cfg.train.out_dir}: {summary.n_params / 1e6:.2f}M params, tp={layout['tp']} "
@@ -247,8 +249,8 @@ def _print_header(cfg: Config, runtime, summary: RunSummary, choice: PrecisionCh
         print(f"megaloop: warning: {choice.warning}", file=sys.stderr, flush=True)
 
 
-def _run_steps(cfg, model, optimizer, sampler, flop_model, data, runtime, writer, progress, summary, flag,
-               val_depths, ckpt, guard) -> None:
+def _run_steps(cfg, model, optimizer, sampler, flop_model, data: DataSource, runtime: TrainerRuntime, writer,
+               progress, summary, flag, val_depths, ckpt, guard) -> None:
     model.train()
     batches = data.train_batches()
     consecutive_skips = 0

@@ -14,11 +14,12 @@ import sys
 from pathlib import Path
 
 from megaloop.config import Config
+from megaloop.train.protocols import TrainerRuntime
 
 SET_ASIDE = ("metrics.jsonl", "tb")  # what a fresh start would otherwise append to
 
 
-def recorded_summary(cfg: Config, runtime, step: int, tokens: int):
+def recorded_summary(cfg: Config, runtime: TrainerRuntime, step: int, tokens: int):
     """The summary of a run that is already at `step` >= train.steps, written nowhere: this job trained nothing;
     the final validation is the one the run's summary.json recorded at that step, if any."""
     from megaloop.model import build_model, count_parameters

@@ -1,7 +1,7 @@
 """What the training loop needs from the parallel layout, and its single-process form.
 
-The trainer talks to one object with these methods; pipeline/ provides the multi-process one (tensor, data and
-pipeline groups), so the loop itself has no parallel code.
+The trainer talks to one object with the members of megaloop.train.protocols.TrainerRuntime; pipeline/ provides the
+multi-process ones (tensor, data and pipeline groups), so the loop itself has no parallel code.
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import functools
 
 import torch
 
+from megaloop.train.protocols import TrainerRuntime
 from pipeline.micro_batches import plain_forward_losses, run_micro_batches
 
 
@@ -22,15 +23,32 @@ class SingleProcessRuntime:
     dp_size = 1
     is_main = True
     layout = None  # no process groups (a parallel runtime's pipeline.layout.ParallelLayout)
+    plans_ahead = False  # plan_ahead does nothing
+    device: torch.device
 
     def __init__(self, device: torch.device):
         self.device = device
 
-    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+    def held_parameter_names(self, model: torch.nn.Module) -> list[str]:
+        """Every parameter: one process holds the whole model."""
+        return [name for name, _ in model.named_parameters()]
+
+    def prepare_model(self, model: torch.nn.Module, materialize=None) -> torch.nn.Module:
+        """The model as it is; materialize(model, None), when given, fills it (nothing is split)."""
+        if materialize is not None:
+            materialize(model, None)
         return model
+
+    def optimizer_parts(self) -> None:
+        """None: the optimizer's own (undistributed) inner optimizers."""
+        return None
 
     def prepare_optimizer(self, optimizer):
         return optimizer
+
+    def plan_ahead(self, model, micro_batches) -> None:
+        """Nothing: the micro-batches run as a plain loop, with no schedule to make ahead."""
+        return None
 
     def run_micro_batches(self, model, micro_batches, scales, autocast=contextlib.nullcontext, timer=None) -> list:
         """Forward and backward of each of a step's micro-batches in order, loss times its scale; the per-micro-batch
@@ -95,7 +113,7 @@ class SingleProcessRuntime:
         return None
 
 
-def set_phase_timeout(runtime, seconds: float) -> None:
+def set_phase_timeout(runtime: TrainerRuntime, seconds: float) -> None:
     """Every process group of the runtime times out after `seconds` from now on: parallel.timeout_s while steps
     run, parallel.startup_timeout_s during start-up and checkpoint saves (pipeline.layout.init_layout)."""
     if runtime.layout is not None:
@@ -105,7 +123,7 @@ def set_phase_timeout(runtime, seconds: float) -> None:
 
 
 @contextlib.contextmanager
-def phase_timeout(runtime, seconds: float, then: float):
+def phase_timeout(runtime: TrainerRuntime, seconds: float, then: float):
     """set_phase_timeout(seconds) for the block, then `then` (a save inside the steps)."""
     set_phase_timeout(runtime, seconds)
     try:
@@ -114,7 +132,7 @@ def phase_timeout(runtime, seconds: float, then: float):
         set_phase_timeout(runtime, then)
 
 
-def make_runtime(cfg, device: torch.device):
+def make_runtime(cfg, device: torch.device) -> TrainerRuntime:
     """The runtime for this job: single-process, or pipeline's tensor/data-parallel one (native or DeepSpeed), or
     its ring-pipeline one (pp > 1), when launched on several processes (torchrun or Slurm), built from cfg.parallel
     with megaloop's TP plan, per-matrix Muon functions and stage functions (pipeline never imports megaloop)."""

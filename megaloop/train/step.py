@@ -30,6 +30,7 @@ from megaloop.model.stages import StageMicroBatch
 from megaloop.model.transfer import HostCopy, to_device
 from megaloop.train.flops import FlopModel
 from megaloop.train.precision import autocast_for
+from megaloop.train.protocols import TrainerRuntime
 
 # Telemetry averaged over the step's rows (each micro-batch's value weighted by its rows; under sequence parallelism a
 # tensor-parallel rank's value is a mean over its positions, so the job-wide sum divided by tp averages them).
@@ -109,7 +110,7 @@ class StepTimer:
         return {k: sum(a.elapsed_time(b) for a, b in v) / 1e3 for k, v in previous.items()}
 
 
-def train_step(model, optimizer, batch: dict, depth_sample, step: int, seed: int, cfg, runtime,
+def train_step(model, optimizer, batch: dict, depth_sample, step: int, seed: int, cfg, runtime: TrainerRuntime,
                flop_model: FlopModel, loop_guard=contextlib.nullcontext, timer: StepTimer | None = None,
                stop_code: Callable[[], int] = lambda: 0) -> StepStats:
     """batch: {"tokens": [rows, S+1], "sample_index": [rows]}: this data-parallel rank's rows (any number).
@@ -140,14 +141,14 @@ def train_step(model, optimizer, batch: dict, depth_sample, step: int, seed: int
     return stats
 
 
-def schedule_ahead(cfg, runtime, model):
+def schedule_ahead(cfg, runtime: TrainerRuntime, model):
     """prepare(step, batch) for the loader's prefetch thread where the runtime schedules its micro-batches (a
     pipeline runtime's plan_ahead): step `step`'s micro-batches planned as train_step will plan them (same depths,
     same cut) and handed over on the host, so the ring schedule is made while the device runs earlier steps. None
-    for other runtimes."""
-    plan_ahead = getattr(runtime, "plan_ahead", None)
-    if plan_ahead is None:
+    for other runtimes (runtime.plans_ahead false: their plan_ahead does nothing)."""
+    if not runtime.plans_ahead:
         return None
+    plan_ahead = runtime.plan_ahead
     from megaloop.depth import make_sampler
 
     m = cfg.model  # a sampler of the prefetch thread's own (depths are a pure function of seed, step and index)
@@ -249,14 +250,15 @@ def _executed_flops(stats: StepStats, flop_model: FlopModel, seq: int) -> float:
     return total
 
 
-def launch_stats(stats: StepStats, runtime, flop_model: FlopModel, seq: int, stop_code: int) -> HostCopy:
+def launch_stats(stats: StepStats, runtime: TrainerRuntime, flop_model: FlopModel, seq: int,
+                 stop_code: int) -> HostCopy:
     """The step's statistics packed and summed over the job in runtime.sum_stats (one collective), on their way to
     the host (read by reduce_step)."""
     vec = pack(stats, flop_model, seq, runtime.dp_rank, runtime.dp_size, stop_code, runtime.device)
     return HostCopy(runtime.sum_stats(vec))
 
 
-def reduce_step(stats: StepStats, runtime) -> StepFigures:
+def reduce_step(stats: StepStats, runtime: TrainerRuntime) -> StepFigures:
     """The step's statistics summed over the job (launched by train_step), as figures. On a GPU their copy to the
     host has completed by now (the clip decision synchronised the stream past it): this read does not wait."""
     dp, tp, copies = runtime.dp_size, runtime.tp_size, runtime.tp_size * runtime.pp_size

@@ -24,9 +24,9 @@ def set_orth_dtype(optimizer) -> None:
 class ReferenceRuntime(SingleProcessRuntime):
     """The single-process runtime, keeping the model and running Muon's iteration in fp32."""
 
-    def prepare_model(self, model):
-        self.model = model
-        return model
+    def prepare_model(self, model, materialize=None):
+        self.model = super().prepare_model(model, materialize)
+        return self.model
 
     def prepare_optimizer(self, optimizer):
         set_orth_dtype(optimizer)
