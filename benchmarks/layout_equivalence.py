@@ -26,6 +26,7 @@ import torch  # noqa: E402
 
 from benchmarks.pipeline_equivalence import build_shards, corpus_files  # noqa: E402
 from tests.pipeline.spawn import spawn  # noqa: E402
+import tests.pipeline.test_layout_equivalence as suite  # noqa: E402
 from tests.pipeline.test_layout_equivalence import MATRIX, TINY, compare, layout_runs, reference_run  # noqa: E402
 from tests.pipeline.workers_train import worker  # noqa: E402
 
@@ -36,6 +37,7 @@ def main() -> int:
     ap.add_argument("--corpus", default=None, help="a folder of .txt files to build the shards from")
     args = ap.parse_args()
     worlds = [int(w) for w in args.worlds.split(",")]
+    suite.STEPS = 20  # the suite runs fewer
     if not set(worlds) <= set(MATRIX):
         ap.error(f"--worlds {args.worlds}: use a comma-separated subset of {sorted(MATRIX)}")
     root = Path(tempfile.mkdtemp(prefix="layout-equivalence-"))

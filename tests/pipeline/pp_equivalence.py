@@ -59,21 +59,22 @@ def overrides(shards, out_dir, arch: str, precision: str, pp: int = 1, tp: int =
             f"parallel.pp={pp}", "parallel.p2p_semantics=rendezvous", *CORE4, *arch_overrides]
 
 
-def layout_runs(shards, out_dir: Path, labels) -> dict:
-    """{(label, precision): overrides} of the given layouts in both precisions, each in its own out_dir."""
+def layout_runs(shards, out_dir: Path, labels, fp64_only=()) -> dict:
+    """{(label, precision): overrides} of the given layouts in both precisions (the labels in `fp64_only`: fp64,
+    the proof, only), each in its own out_dir."""
     return {(label, precision): overrides(shards, out_dir / f"{label}-{precision}", LAYOUTS[label].arch, precision,
                                           LAYOUTS[label].pp, LAYOUTS[label].tp)
-            for label in labels for precision in PRECISIONS}
+            for label in labels for precision in PRECISIONS if precision == "fp64" or label not in fp64_only}
 
 
-def references(shards, out_dir: Path, archs) -> dict:
+def references(shards, out_dir: Path, archs, fp64_only=()) -> dict:
     """{(arch, precision): single-process run on one thread} with losses, params and val ({depth: summary})."""
     refs = {}
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         for arch in archs:
-            for precision in PRECISIONS:
+            for precision in ("fp64",) if arch in fp64_only else PRECISIONS:
                 ref_dir = out_dir / f"{arch}-{precision}"
                 refs[arch, precision] = run(str(TINY), overrides(shards, ref_dir, arch, precision),
                                             lambda c, d: ReferenceRuntime(d))
