@@ -37,11 +37,12 @@ def _build(cfg, device, dtype, fault: bool):
     return model
 
 
-def _step_all(model, optimizer, set_grads) -> list[float]:
+def _step_all(model, optimizer, set_grads, finish=lambda: None) -> list[float]:
     norms = []
     for step in range(STEPS):
         set_grads(step)
         norms.append(float(optimizer.step(step).grad_norm))
+        finish()  # a parallel runtime's all-gather of the updated parameters (the comparison reads them)
         optimizer.zero_grad()
     return norms
 
@@ -75,7 +76,8 @@ def dist_muon(ctx: Context) -> PathResult:
         for name, g in synthetic_grads(reference, step).items():
             dict(reference.named_parameters())[name].grad = g
 
-    norms, ref_norms = _step_all(model, optimizer, set_sharded), _step_all(reference, single, set_full)
+    norms = _step_all(model, optimizer, set_sharded, runtime.finish_param_gather)
+    ref_norms = _step_all(reference, single, set_full)
     ref_params = {n: p.detach() for n, p in reference.named_parameters()}
     worst = max(float((gather_full(p.detach(), shards.get(n), layout.tp_group) - ref_params[n]).abs().max()
                       / ref_params[n].abs().max().clamp_min(1e-30)) for n, p in model.named_parameters())
