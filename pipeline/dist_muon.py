@@ -4,7 +4,7 @@ Muon's step on a matrix needs the whole matrix (Polar Express, NorMuon's row/col
 the learning rate), so its state cannot be split by elements. Instead each matrix is owned by one rank of the
 (dp x tp) grid, matrices balanced by size (largest first, each to the least-loaded owner; the same on every rank).
 With `dp_sharded` false (ZeRO stage 0) the owners are spread over tp only and every data-parallel slice computes
-every matrix. For a matrix with owner (dp_o, tp_o), per step:
+every matrix. For a matrix with owner (dp_o, tp_o), per step (each phase issued for all matrices before the next):
 
   1. the tp ranks of data-parallel slice dp_o gather the full gradient on tp_o (split matrices; a replicated one is
      already whole there);
@@ -111,38 +111,47 @@ class DistributedMuon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """Three phases, so the owners of a tp group orthogonalise their matrices at the same time: every gather
+        of this slice's matrices is issued, then each owner computes its updates, then every scatter/broadcast is
+        issued (a per-matrix gather-compute-scatter would make the tp ranks take turns)."""
         group = self.param_groups[0]
         if len(self.param_groups) != 1:
             raise ValueError("DistributedMuon takes one parameter group")
         hp = self.fns.hparams(momentum=group["momentum"], nesterov=group["nesterov"], beta2=group["beta2"],
                               ns_steps=group["ns_steps"], orth_dtype=self.orth_dtype)
-        for index, param in enumerate(group["params"]):
-            dp_o, tp_o = self._owner(index)
-            if dp_o == self.layout.dp_rank:
-                update = self._update_in_slice(index, param, tp_o, hp)
-                lr = group["lr"] * self.fns.lr_scale(self.full_shapes[index])
-                self.fns.apply(param, update, lr, group["weight_decay"])
+        params = group["params"]
+        mine = [i for i in range(len(params)) if self._owner(i)[0] == self.layout.dp_rank]
+        full_grads = self._gather_grads(mine, params)
+        updates = {i: self._owner_update(i, full_grads.pop(i), hp) for i in list(full_grads)}
+        for index, update in self._share_updates(mine, params, updates):
+            lr = group["lr"] * self.fns.lr_scale(self.full_shapes[index])
+            self.fns.apply(params[index], update, lr, group["weight_decay"])
 
     def _grad(self, param: torch.Tensor) -> torch.Tensor:
         return param.grad if param.grad is not None else torch.zeros_like(param)
 
-    def _update_in_slice(self, index: int, param: torch.Tensor, tp_o: int, hp) -> torch.Tensor:
-        """Steps 1-3 for one matrix owned by this data-parallel slice: this rank's shard of its update."""
-        spec, tp_group = self.specs[index], self.layout.tp_group
-        tp_rank = self.layout.tp_rank
-        grad = self._grad(param)
-        if self.layout.tp > 1 and spec is not None:
-            owner_global = dist.get_global_rank(tp_group, tp_o)
-            shards = [torch.empty_like(grad) for _ in range(self.layout.tp)] if tp_rank == tp_o else None
-            dist.gather(grad.contiguous(), shards, dst=owner_global, group=tp_group)
-            full_grad = unshard_tensor(shards, spec) if tp_rank == tp_o else None
-        else:
-            full_grad = grad
-        update = self._owner_update(index, full_grad, hp) if tp_rank == tp_o else None
-        return self._share_over_tp(index, param, update, tp_o, self._state_dtype(param))
+    def _gather_grads(self, indices: list[int], params) -> dict[int, torch.Tensor]:
+        """Phase 1: the full gradient of every matrix in `indices` that this rank owns (split matrices gathered
+        from the tp ranks, all gathers in flight at once)."""
+        tp_group, tp_rank = self.layout.tp_group, self.layout.tp_rank
+        full, pending = {}, []
+        for index in indices:
+            spec, tp_o, grad = self.specs[index], self._owner(index)[1], self._grad(params[index])
+            if self.layout.tp > 1 and spec is not None:
+                shards = [torch.empty_like(grad) for _ in range(self.layout.tp)] if tp_rank == tp_o else None
+                dst = dist.get_global_rank(tp_group, tp_o)
+                work = dist.gather(grad.contiguous(), shards, dst=dst, group=tp_group, async_op=True)
+                pending.append((work, index, shards, spec))
+            elif tp_rank == tp_o:
+                full[index] = grad
+        for work, index, shards, spec in pending:
+            work.wait()
+            if shards is not None:
+                full[index] = unshard_tensor(shards, spec)
+        return full
 
     def _owner_update(self, index: int, full_grad: torch.Tensor, hp) -> torch.Tensor:
-        """Step 2 on the owner: create the full-matrix state on first use, advance it, return the update."""
+        """Phase 2 on the owner: create the full-matrix state on first use, advance it, return the update."""
         if index not in self.owned_state:
             like = torch.empty(self.full_shapes[index], dtype=full_grad.dtype, device=full_grad.device)
             self.owned_state[index] = self.fns.init_state(like)
@@ -152,21 +161,30 @@ class DistributedMuon(torch.optim.Optimizer):
     def _state_dtype(param: torch.Tensor) -> torch.dtype:
         return torch.promote_types(param.dtype, torch.float32)
 
-    def _share_over_tp(self, index, param, update, tp_o: int, state_dtype) -> torch.Tensor:
-        """Step 3: scatter (split matrix) or broadcast (replicated) the owner's update within the tp group."""
-        tp_group, spec = self.layout.tp_group, self.specs[index]
+    def _share_updates(self, indices: list[int], params, updates: dict[int, torch.Tensor]):
+        """Phase 3: (index, this rank's shard of the update) for every matrix in `indices`: the owner's update
+        scattered (split matrix) or broadcast (replicated) within the tp group, all in flight at once."""
+        tp_group = self.layout.tp_group
         if group_size(tp_group) == 1:
-            return update
-        tp_rank = self.layout.tp_rank
-        src = dist.get_global_rank(tp_group, tp_o)
-        if spec is not None:
-            out = torch.empty(param.shape, dtype=state_dtype, device=param.device)
-            pieces = [shard_tensor(update, spec, r) for r in range(spec.tp)] if tp_rank == tp_o else None
-            dist.scatter(out, pieces, src=src, group=tp_group)
-            return out
-        out = update if tp_rank == tp_o else torch.empty(param.shape, dtype=state_dtype, device=param.device)
-        dist.broadcast(out, src=src, group=tp_group)
-        return out
+            return [(i, updates[i]) for i in indices]
+        tp_rank, pending = self.layout.tp_rank, []
+        for index in indices:
+            spec, tp_o, param = self.specs[index], self._owner(index)[1], params[index]
+            src, update = dist.get_global_rank(tp_group, tp_o), updates.get(index)
+            dtype = self._state_dtype(param)
+            if spec is not None:
+                out = torch.empty(param.shape, dtype=dtype, device=param.device)
+                pieces = [shard_tensor(update, spec, r) for r in range(spec.tp)] if tp_rank == tp_o else None
+                work = dist.scatter(out, pieces, src=src, group=tp_group, async_op=True)
+            else:
+                out = update if tp_rank == tp_o else torch.empty(param.shape, dtype=dtype, device=param.device)
+                work = dist.broadcast(out, src=src, group=tp_group, async_op=True)
+            pending.append((work, index, out, pieces if spec is not None else None))
+        shares = []
+        for work, index, out, _pieces in pending:  # the pieces stay referenced until their scatter is done
+            work.wait()
+            shares.append((index, out))
+        return shares
 
     # ---- layout-free state for checkpoints ------------------------------------------------------------------
     def sharded_state(self, prefix: str) -> list[tuple]:
