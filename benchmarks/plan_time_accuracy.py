@@ -2,8 +2,12 @@
 
 The planner's "cpu" device: the peak is this machine's cached fp32 matmul rate on one thread (`python -m megaloop
 peak`, measured now when missing) at the efficiency given by --mfu, and the link is gloo on localhost as measured
-here first by a probe of two processes: all-reduces of 4 bytes (the latency of one ring step: half a 2-rank
-all-reduce) and of --probe-mib MiB (the bandwidth). Each layout then runs in fresh processes, one thread each: the
+here first by a probe of two processes: each collective kind (all-reduce, all-gather, reduce-scatter) timed at 64 KiB,
+1 MiB and 16 MiB and fitted on its own to latency + bytes / bandwidth per ring step. gloo's collectives are not all
+bandwidth-optimal rings (its reduce-scatter costs about an all-reduce), and on a CPU they share the cores with the
+compute, so the probe calls them as a step does: between a few milliseconds of matmul, without a barrier, and keeps
+the mean (about twice the cost of back-to-back calls after a barrier). A tp layout makes hundreds of ~1 MiB calls a
+step. Each layout then runs in fresh processes, one thread each: the
 runtime, model and optimizer are built, --warmup steps run, then --steps timed steps (a barrier before each, the
 slowest rank's time kept); the median is the measured step time. Depths are fixed at mu_rec
 (model.depth_sampler=fixed), as the planner's rank-0 micro-batches then stand for every rank.
@@ -53,40 +57,68 @@ def _env(rank: int, world: int, port: int) -> None:
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
 
 
-def _probe_rank(rank: int, port: int, mib: float, out_dir: str) -> None:
+PROBE_KIB = (64, 1024, 16384)  # whole-tensor sizes of the probe's calls: tp activations ~1 MiB, dp buckets more
+
+
+def _probe_rank(rank: int, port: int, out_dir: str) -> None:
     _env(rank, 2, port)
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
+    calls = {"all_reduce": lambda full, half: dist.all_reduce(full),
+             "all_gather": lambda full, half: dist.all_gather_single(full, half),
+             "reduce_scatter": lambda full, half: dist.reduce_scatter_single(half, full)}
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
     result = {}
-    for name, numel, reps in (("small", 1, 200), ("large", int(mib * 2**20 / 4), 8)):
-        x = torch.ones(numel)
-        for _ in range(3):
-            dist.all_reduce(x)
-        times = []
-        for _ in range(reps):
+    for kind, call in calls.items():
+        for kib in PROBE_KIB:
+            full = torch.ones(kib * 256)
+            half = torch.ones(kib * 128)
+            for _ in range(3):
+                call(full, half)
             dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(x)
-            times.append(time.perf_counter() - t0)
-        result[name] = statistics.median(times)
+            times = []
+            for _ in range(max(8, 64 * 1024 // kib)):
+                for _ in range(4):  # a few ms of matmul between calls, as in a step
+                    a @ b
+                t0 = time.perf_counter()
+                call(full, half)
+                times.append(time.perf_counter() - t0)
+            result[f"{kind} {kib}"] = statistics.mean(times)
     dist.destroy_process_group()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def probe_gloo(mib: float) -> tuple[float, float]:
-    """(bandwidth bytes/s, latency s per ring step) of gloo on localhost (see the module docstring)."""
+def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(bandwidth, latency) of t = latency + x / bandwidth over (x bytes per step, t s per step), least squares on
+    relative error (small and large calls weigh alike); latency >= 0."""
+    import numpy as np
+
+    x, t = np.array(points).T
+    a = np.stack([np.ones_like(x), x], axis=1) / t[:, None]
+    (latency, per_byte), *_ = np.linalg.lstsq(a, np.ones_like(t), rcond=None)
+    if latency < 0:
+        latency, per_byte = 0.0, float(np.sum(x / t) / np.sum((x / t) ** 2))
+    return 1.0 / per_byte, float(latency)
+
+
+def probe_gloo():
+    """gloo on localhost as a planner link, each collective kind fitted on its own (see the module docstring)."""
     import torch.multiprocessing as mp
 
+    from megaloop.plan.comm import KINDS, Link, ring_steps
+
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_probe_rank, args=(_free_port(), mib, out_dir), nprocs=2, join=True)
+        mp.spawn(_probe_rank, args=(_free_port(), out_dir), nprocs=2, join=True)
         r = json.loads(Path(out_dir, "rank0.json").read_text())
-    latency = r["small"] / 2  # a 2-rank ring all-reduce: 2 steps
-    size = mib * 2**20
-    per_step = max(r["large"] / 2 - latency, 1e-9)
-    return size / 2 / per_step, latency
+    fits = {}
+    for kind in KINDS:  # 2 ranks: each step moves half the whole tensor
+        steps = ring_steps(kind, 2)
+        fits[kind] = _fit([(kib * 1024 / 2, r[f"{kind} {kib}"] / steps) for kib in PROBE_KIB])
+    bandwidth, latency = fits["all_reduce"]
+    return Link(bandwidth, latency, tuple((k, *fits[k]) for k in KINDS))
 
 
 def _train_rank(rank: int, world: int, port: int, overrides: list[str], warmup: int, steps: int,
@@ -142,16 +174,14 @@ def measure(world: int, overrides: list[str], warmup: int, steps: int) -> tuple[
     return wall, cpu, min(statistics.mean(r["peak"]) for r in ranks)
 
 
-def predict(world: int, overrides: list[str], mfu: float, bandwidth: float, latency: float,
-            peak_tflops: float | None = None):
+def predict(world: int, overrides: list[str], mfu: float, link, peak_tflops: float | None = None):
     from megaloop.config import load_config
-    from megaloop.plan.comm import Cluster, DpComm, Link
+    from megaloop.plan.comm import Cluster, DpComm
     from megaloop.plan.search import Planner
     from megaloop.plan.time_cli import job_gpu
     from megaloop.plan.time_model import device_for
 
     cfg = load_config(REPO / CONFIG, MODEL + overrides, world_size=world)
-    link = Link(bandwidth, latency)
     # the runtime today: fixed 25 MiB buckets, the all-gather after the optimizer step
     planner = Planner(job_gpu("cpu"), world, device_for("cpu", "fp32", mfu, peak_tflops), Cluster(world, link, link),
                       DpComm("fixed", False), None)
@@ -164,7 +194,6 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--mfu", type=float, default=1.0, help="efficiency on the CPU's matmul peak (default 1.0)")
-    ap.add_argument("--probe-mib", type=float, default=16.0)
     a = ap.parse_args()
     import torch
 
@@ -173,9 +202,10 @@ def main() -> None:
 
     peak = cpu_peak("fp32")
     cpu_peak("bf16")  # Muon's Polar Express runs in bf16 where the CPU computes it natively
-    bandwidth, latency = probe_gloo(a.probe_mib)
+    link = probe_gloo()
     print(f"cpu peak {peak.tflops * 1e3:.1f} GFLOP/s fp32, one thread ({peak.source}); efficiency {a.mfu}")
-    print(f"gloo on localhost: {bandwidth / 1e9:.2f} GB/s, {latency * 1e6:.0f} us per ring step")
+    print("gloo on localhost, per collective: " + "; ".join(
+        f"{kind} {bw / 1e9:.2f} GB/s, {lat * 1e6:.0f} us per ring step" for kind, bw, lat in link.kinds))
     print("cached: the prediction at the cached peaks; now: at the peak the ranks measured beside their steps "
           "(under the same load as the steps); wall: the measured step; cpu: the slowest rank's CPU time in it "
           "(on a shared machine the fairest figure for one process; it leaves out waits: comm, bubbles)")
@@ -184,20 +214,20 @@ def main() -> None:
     measured = {}
     for name in a.only:
         world, overrides = LAYOUTS[name]
-        cached = predict(world, overrides, a.mfu, bandwidth, latency)
+        cached = predict(world, overrides, a.mfu, link)
         wall, cpu, peak_now = measured[name] = measure(world, overrides, a.warmup, a.steps)
-        now = predict(world, overrides, a.mfu, bandwidth, latency, peak_now)
+        now = predict(world, overrides, a.mfu, link, peak_now)
         print(f"{name:<8}{now.exposed_comm_s:>8.3f}{now.optimizer_s:>8.3f}{cached.step_time_s:>9.3f}"
               f"{peak_now * 1e3:>9.1f}{now.step_time_s:>8.3f}{wall:>8.3f}{cpu:>8.3f}"
               f"{cached.step_time_s / wall:>12.2f}{now.step_time_s / wall:>9.2f}{cached.busy_s / cpu:>9.2f}",
               flush=True)
     if "1" in measured:
-        calibrated(measured, a.mfu, bandwidth, latency)
+        calibrated(measured, a.mfu, link)
 
 
-def calibrated(measured: dict, mfu: float, bandwidth: float, latency: float) -> None:
+def calibrated(measured: dict, mfu: float, link) -> None:
     """The efficiency that makes the one-process prediction equal its CPU time, then every layout at it."""
-    one = predict(1, [], mfu, bandwidth, latency)
+    one = predict(1, [], mfu, link)
     eff = mfu * one.busy_s / measured["1"][1]
     print(f"efficiency from layout 1's CPU time: {eff:.3f} of the cached peaks")
     print("busy: the predicted compute of the busiest rank alone (no comm, no pipeline bubbles), what its CPU time "
@@ -205,7 +235,7 @@ def calibrated(measured: dict, mfu: float, bandwidth: float, latency: float) -> 
     print(f"{'layout':<8}{'predicted s':>12}{'busy s':>8}{'wall s':>8}{'cpu s':>8}{'pred/wall':>10}{'busy/cpu':>9}")
     for name, (wall, cpu, _) in measured.items():
         world, overrides = LAYOUTS[name]
-        t = predict(world, overrides, min(eff, 1.0), bandwidth, latency)
+        t = predict(world, overrides, min(eff, 1.0), link)
         print(f"{name:<8}{t.step_time_s:>12.3f}{t.busy_s:>8.3f}{wall:>8.3f}{cpu:>8.3f}{t.step_time_s / wall:>10.2f}"
               f"{t.busy_s / cpu:>9.2f}", flush=True)
 

@@ -28,14 +28,30 @@ KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 
 @dataclass(frozen=True)
 class Link:
-    """Bus bandwidth per rank and direction (bytes/s) and the latency of one ring step (s)."""
+    """Bus bandwidth per rank and direction (bytes/s) and the latency of one ring step (s).
+
+    `kinds` overrides them per collective, as (kind, bandwidth, latency) triples fitted to measured calls: a
+    library whose collectives are not bandwidth-optimal rings (gloo's reduce-scatter costs about an all-reduce)
+    is described in the same steps x (latency + X / n / bandwidth) form with its own figures per kind."""
 
     bandwidth: float
     latency: float
+    kinds: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self):
-        if not self.bandwidth > 0 or self.latency < 0:
-            raise ValueError(f"a link needs bandwidth > 0 and latency >= 0, got {self}")
+        for _, bandwidth, latency in ((None, self.bandwidth, self.latency), *self.kinds):
+            if not bandwidth > 0 or latency < 0:
+                raise ValueError(f"a link needs bandwidth > 0 and latency >= 0, got {self}")
+        unknown = [k for k, _, _ in self.kinds if k not in KINDS]
+        if unknown:
+            raise ValueError(f"unknown collective(s) {unknown} in a link: one of {', '.join(KINDS)}")
+
+    def for_kind(self, kind: str) -> "Link":
+        """The plain (bandwidth, latency) link one collective of `kind` runs on."""
+        for k, bandwidth, latency in self.kinds:
+            if k == kind:
+                return Link(bandwidth, latency)
+        return Link(self.bandwidth, self.latency)
 
 
 @dataclass(frozen=True)
@@ -81,6 +97,7 @@ def collective_time(kind: str, n: int, size: float, link: Link, calls: int = 1) 
     """Seconds of `calls` ring collectives of a `size`-byte tensor each over n ranks on `link` (0 when n = 1)."""
     if n <= 1 or calls == 0:
         return 0.0
+    link = link.for_kind(kind)
     return calls * ring_steps(kind, n) * (link.latency + size / n / link.bandwidth)
 
 

@@ -8,7 +8,9 @@
               compute dtype times the stated efficiency (an MFU-like factor).
   optimizer   Polar Express on the Muon matrices of the most loaded owner (ns_steps x (4 m^2 n + 2 m^3) per m x n
               matrix, m <= n) at the peak of its dtype (bf16 where native, as megaloop.train.precision.orth_dtype)
-              times the same efficiency; AdamW's elementwise work is not counted.
+              times the same efficiency; under tp, each split matrix's gradient gathered to its owner and its
+              update scattered back (two all-gathers' time each, the dp slices' groups side by side); AdamW's
+              elementwise work is not counted.
   tp          per block run (forward, backward, recomputation): two all-gathers and two reduce-scatters of the
               micro-batch's [rows, s, d] stream under sequence parallelism, else two all-reduces, scaled by the
               lap's active fraction; the embedding and head add two (SP) or one of each direction, the
@@ -183,19 +185,26 @@ class _Rank:
         return _Work(tokens * fwd / tp / rate, tokens * bwd / tp / rate, tp_comm)
 
 
-def optimizer_seconds(params: list[LocalParam], plan: Plan, rate: float) -> float:
-    """Polar Express on the most loaded Muon owner (see the module docstring)."""
+def optimizer_seconds(params: list[LocalParam], plan: Plan, rate: float, tp_link: Link | None = None) -> float:
+    """Polar Express on the most loaded Muon owner, plus, under tp, the gather of each split matrix's gradient to
+    its owner and the scatter of its update (see the module docstring)."""
     lay, ns = plan.layout, getattr(plan.cfg.optim, "ns_steps", 5)
-    matrices = [p.full_shape for p in params if p.optimizer == "muon" and len(p.full_shape) == 2]
-    if not matrices:
+    muon = [p for p in params if p.optimizer == "muon" and len(p.full_shape) == 2]
+    if not muon:
         return 0.0
+    matrices = [p.full_shape for p in muon]
     sharded = lay.zero_stage >= 1 and lay.dp > 1
     slots = (lay.dp if sharded else 1) * lay.tp if (lay.tp > 1 or sharded) else 1
     cost = [ns * (4 * min(s) ** 2 * max(s) + 2 * min(s) ** 3) for s in matrices]
     load = [0.0] * slots
     for c, slot in zip(cost, assign_owners([s[0] * s[1] for s in matrices], slots)):
         load[slot] += c
-    return max(load) / rate
+    comm = 0.0
+    if lay.tp > 1 and tp_link is not None:  # one tp group's calls run in turn; the dp slices' groups side by side
+        grad_bytes = 8 if plan.cfg.train.precision == "fp64" else 4
+        split = [p.full_numel * grad_bytes for p in muon if p.local_shape != p.full_shape]
+        comm = 2 * sum(collective_time("all_gather", lay.tp, x, tp_link) for x in split) / (lay.dp if sharded else 1)
+    return max(load) / rate + comm
 
 
 def _dp(plan: Plan, n_elements: int, cluster: Cluster, comm: DpComm) -> DpTraffic:
@@ -220,7 +229,8 @@ def time_plan(plan: Plan, device: Device, cluster: Cluster, comm: DpComm) -> Tim
     dp = _dp(plan, sum(p.local_numel for p in params), cluster, comm)
     exposed = dp.exposed(work[-1].backward, work[0].forward, comm.overlap_param_gather)
     tokens = plan.cfg.data.global_batch_size * plan.cfg.model.seq_len
-    return TimePlan(compute, optimizer_seconds(params, plan, device.optimizer_rate), tp, 0.0, dp, exposed, tokens)
+    optimizer = optimizer_seconds(params, plan, device.optimizer_rate, rank.tp_link)
+    return TimePlan(compute, optimizer, tp, 0.0, dp, exposed, tokens)
 
 
 def _pipeline_time(plan: Plan, device: Device, cluster: Cluster, comm: DpComm) -> TimePlan:
@@ -259,7 +269,7 @@ def _pipeline_time(plan: Plan, device: Device, cluster: Cluster, comm: DpComm) -
     n_elements = max(sum(p.local_numel for p in st) for st in stages)
     dp = _dp(plan, n_elements, cluster, comm)
     exposed = dp.exposed(0.0, 0.0, comm.overlap_param_gather)
-    optimizer = max(optimizer_seconds(st, plan, device.optimizer_rate) for st in stages)
+    optimizer = max(optimizer_seconds(st, plan, device.optimizer_rate, rank.tp_link) for st in stages)
     tokens = cfg.data.global_batch_size * m.seq_len
     c0, c1, c2 = (s.makespan for s in spans)
     return TimePlan(c0, optimizer, c1 - c0, c2 - c1, dp, exposed, tokens, spans[2].idle_fraction,

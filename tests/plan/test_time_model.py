@@ -25,7 +25,7 @@ from megaloop.plan.comm import (
 )
 from megaloop.plan.gpus import CONTEXT_BYTES, FRAGMENTATION, Gpu
 from megaloop.plan.search import JSON_KEYS, Planner, search
-from megaloop.plan.time_model import Device
+from megaloop.plan.time_model import Device, optimizer_seconds
 from megaloop.train.flops import FlopModel
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "parcae-tiny.yaml"
@@ -44,6 +44,33 @@ def test_ring_collectives_match_hand_computed_values():
     assert collective_time("all_gather", 1, size, link) == 0.0
     with pytest.raises(ValueError, match="unknown collective"):
         collective_time("broadcast", 4, size, link)
+
+
+def test_a_link_fitted_per_collective_kind_prices_each_kind_on_its_own():
+    # gloo on a CPU: the reduce-scatter is slower than a ring's; the other kinds keep the link's own figures
+    link = Link(100e9, 2e-6, kinds=(("reduce_scatter", 25e9, 5e-6),))
+    size = 8e6
+    assert collective_time("reduce_scatter", 4, size, link) == pytest.approx(3 * (5e-6 + 2e6 / 25e9))
+    assert collective_time("all_gather", 4, size, link) == pytest.approx(3 * (2e-6 + 2e-5))
+    assert collective_time("all_reduce", 4, size, link) == pytest.approx(6 * (2e-6 + 2e-5))
+    with pytest.raises(ValueError, match="unknown collective"):
+        Link(1e9, 0.0, kinds=(("broadcast", 1e9, 0.0),))
+    with pytest.raises(ValueError, match="bandwidth > 0"):
+        Link(1e9, 0.0, kinds=(("all_gather", 0.0, 0.0),))
+
+
+def test_tp_muon_pays_the_gather_and_scatter_of_each_split_matrix():
+    cfg = load_config(TINY, FIXED + ["parallel.tp=2"], world_size=2)
+    plan = _planner(2).estimate(cfg).plan
+
+    muon = [p for p in plan.params if p.optimizer == "muon" and len(p.full_shape) == 2]
+    split = [p for p in muon if p.local_shape != p.full_shape]
+    assert split, "the tiny model has tp-split Muon matrices"
+    link = Link(10e9, 10e-6)
+    # per split matrix: a gather and a scatter, each priced as a 2-rank all-gather of its fp32 gradient
+    comm = sum(2 * (10e-6 + p.full_numel * 4 / 2 / 10e9) for p in split)
+    assert optimizer_seconds(list(plan.params), plan, 1e12, link) == pytest.approx(
+        optimizer_seconds(list(plan.params), plan, 1e12) + comm, rel=1e-12)
 
 
 def test_groups_run_over_the_link_their_ranks_span():
