@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -22,12 +23,15 @@ class CommitError(RuntimeError):
     """The save was not committed: a rank failed or did not finish in time."""
 
 
-def commit(root: Path, step: int, token: str, world_size: int, timeout_s: float, keep: int) -> Path:
+def commit(root: Path, step: int, token: str, world_size: int, timeout_s: float, keep: int,
+           parts_written: threading.Event | None = None) -> Path:
     """Merge the partial manifests, mark the staging directory committed, publish it as ``latest``; returns its
-    final path. On a rank's failure or a timeout: writes ABORTED and raises CommitError naming the rank."""
+    final path. On a rank's failure or a timeout: writes ABORTED and raises CommitError naming the rank.
+    `parts_written`: set by another thread once it knows every rank is done with its part (a collective); the wait
+    for the parts then lists the directory once a second, and at once when it is set."""
     tmp = root / files.tmp_dir_name(step, token)
     try:
-        parts = _wait_for_parts(tmp, token, world_size, timeout_s)
+        parts = _wait_for_parts(tmp, token, world_size, timeout_s, parts_written)
         _mark_committed(tmp, step, token, parts)
     except Exception as exc:
         try:
@@ -62,10 +66,12 @@ def _json_bytes(obj) -> bytes:
     return (json.dumps(obj, indent=1) + "\n").encode()
 
 
-def _wait_for_parts(tmp: Path, token: str, world_size: int, timeout_s: float) -> list[dict]:
+def _wait_for_parts(tmp: Path, token: str, world_size: int, timeout_s: float,
+                    parts_written: threading.Event | None = None) -> list[dict]:
     """Every rank's partial manifest. Each poll is one listing of the staging directory; only files that newly
-    appeared are opened, and polls slow down to one a second (files.poll), so a save of many ranks costs the file
-    system a few listings and one read per rank, not a read per rank per poll."""
+    appeared are opened, and polls slow down to one a second (files.poll; one a second from the start when
+    `parts_written` can cut the wait short), so a save of many ranks costs the file system a few listings and one
+    read per rank, not a read per rank per poll."""
     parts: dict[int, dict] = {}
     wanted = {files.manifest_part_name(r): r for r in range(world_size)}
     failed = {files.failed_name(r): r for r in range(world_size)}
@@ -91,7 +97,7 @@ def _wait_for_parts(tmp: Path, token: str, world_size: int, timeout_s: float) ->
         return len(parts) == world_size
 
     try:
-        files.poll(all_in, timeout_s, "every rank's partial manifest")
+        files.poll(all_in, timeout_s, "every rank's partial manifest", wake=parts_written)
     except TimeoutError:
         missing = sorted(set(range(world_size)) - set(parts))
         raise CommitError(f"ranks {missing} did not finish writing {tmp.name} within {timeout_s:.0f} s "

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -109,15 +110,21 @@ def read_json(path: Path):
 POLL_MAX_S = 1.0  # the slowest a wait on files polls (a shared file system serves every rank's metadata calls)
 
 
-def poll(check, timeout_s: float, what: str, max_delay_s: float = POLL_MAX_S):
+def poll(check, timeout_s: float, what: str, max_delay_s: float = POLL_MAX_S, wake: threading.Event | None = None):
     """Call `check()` until it returns something truthy, waiting twice as long after each miss (1 ms up to
     `max_delay_s`: a quick answer when the event is near, one call a second while it is far); TimeoutError after
-    `timeout_s` seconds."""
-    deadline, delay = time.monotonic() + timeout_s, 0.001
+    `timeout_s` seconds. With `wake`, the waits are `max_delay_s` from the start, cut short when another thread sets
+    `wake` (it learnt, e.g. from a collective, that the event happened): no quick polls at all."""
+    deadline, delay = time.monotonic() + timeout_s, (max_delay_s if wake is not None else 0.001)
     while not (result := check()):
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(min(delay, max(0.0, deadline - time.monotonic()) + 0.001))
+        pause = min(delay, max(0.0, deadline - time.monotonic()) + 0.001)
+        if wake is not None:
+            wake.wait(pause)
+            wake.clear()
+        else:
+            time.sleep(pause)
         delay = min(delay * 2, max_delay_s)
     return result
 

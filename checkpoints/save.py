@@ -83,6 +83,7 @@ class Checkpointer:
         self._results: list[SaveResult] = []
         self._last: SaveResult | None = None
         self._lock = threading.Lock()
+        self._parts_written = threading.Event()  # rank 0: every rank's part of the save in flight is on disk
 
     def save(self, step: int, pieces: list[Piece], metadata: dict, refuse: str | None = None) -> None:
         """Snapshot `pieces`, agree on the plan with the other ranks, and write in the background (or now, when
@@ -102,6 +103,7 @@ class Checkpointer:
                        meta, self.file_writer, self.commit_timeout_s)
         stall = time.perf_counter() - t0
         if self.async_save:
+            self._parts_written.clear()  # only wait() sets it, on this thread, after the job is submitted
             self._inflight = self._pool.submit(self._run, job, stall)
         else:
             self._finish(self._run(job, stall))
@@ -147,11 +149,24 @@ class Checkpointer:
         if fut is not None:
             fut.result()
 
-    def wait(self) -> SaveResult | None:
-        """Block until the in-flight save (if any) committed or failed; returns the newest save's result."""
+    def wait(self, all_written: Callable[[], None] | None = None) -> SaveResult | None:
+        """Block until the in-flight save (if any) committed or failed; returns the newest save's result.
+
+        all_written: a collective (e.g. a barrier over the ranks) that every rank calls, once its own part is
+        written, when a save is in flight (saves are collective, so all ranks have one or none). Rank 0 calls it
+        without waiting, and on its return knows every part is on disk: its commit, which lists the staging
+        directory only once a second, looks at once instead of at its next poll."""
         fut, self._inflight = self._inflight, None
-        if fut is not None:
-            self._finish(fut.result())
+        if fut is None:
+            return self._last
+        if all_written is not None and self.world_size > 1:
+            if self.rank != 0:
+                self._finish(fut.result())  # this rank's part is written (or failed, which rank 0 reads at once)
+            all_written()
+            if self.rank != 0:
+                return self._last
+            self._parts_written.set()
+        self._finish(fut.result())
         return self._last
 
     def take_results(self) -> list[SaveResult]:
@@ -184,7 +199,8 @@ class Checkpointer:
         try:
             result.bytes_written = run_write(job)
             if self.rank == 0:
-                commit(self.root, job.step, job.token, self.world_size, self.commit_timeout_s, self.keep)
+                commit(self.root, job.step, job.token, self.world_size, self.commit_timeout_s, self.keep,
+                       self._parts_written if self.async_save and self.world_size > 1 else None)
             result.ok = True
         except Exception as exc:  # reported through the result; the training loop decides what to do
             result.error = f"rank {self.rank}: checkpoint of step {job.step} not committed: {exc}"

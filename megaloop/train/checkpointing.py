@@ -397,7 +397,9 @@ class RunCheckpoints:
         unwinds on some ranks only): no reduction, and a failure is reported, never raised."""
         if self._checkpointer is None:
             return
-        self._checkpointer.wait()
+        # with agreement, a barrier tells rank 0 that every part is written: it commits at once, not at its next
+        # once-a-second look at the staging directory
+        self._checkpointer.wait(self.runtime.barrier if agree else None)
         results = self._checkpointer.take_results()
         if not results:
             return

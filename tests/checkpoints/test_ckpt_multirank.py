@@ -135,3 +135,45 @@ def test_a_rank_that_never_finishes_times_the_commit_out(tmp_path):
     results = run_ranks(2, rank_main)
     assert not results[0].ok and "ranks [1] did not finish" in results[0].error, results[0]
     assert find_checkpoints(tmp_path) == []
+
+
+@pytest.mark.parametrize("told", [False, True])
+def test_rank0_lists_the_staging_directory_once_a_second_and_at_once_when_told(tmp_path, monkeypatch, told):
+    """Rank 0's commit looks for the other ranks' parts once a second (not in a burst of quick polls: at 128 ranks
+    on a shared file system every listing counts); when a collective says every part is written (`wait`'s
+    all_written, here a thread barrier), it looks at once instead of at its next poll."""
+    import os
+    import sys
+    import time
+
+    import checkpoints.commit as commit_module
+
+    listings, real_scandir = [], os.scandir
+
+    def scandir(path="."):
+        if sys._getframe(1).f_code.co_name == "all_in":  # the commit's look for the parts
+            listings.append(time.monotonic())
+        return real_scandir(path)
+
+    monkeypatch.setattr(commit_module.os, "scandir", scandir)
+    barrier = threading.Barrier(2)
+
+    def slow_write(path, data):
+        time.sleep(1.3)
+        fast_write(path, data)
+
+    def rank_main(rank, gather):
+        with Checkpointer(tmp_path, rank=rank, world_size=2, all_gather_object=gather, commit_timeout_s=60,
+                          file_writer=slow_write if rank == 1 else fast_write) as ckpt:
+            ckpt.save(5, [Piece("x", (4,), (2 * rank,), torch.arange(2.0) + rank)], {})
+            return ckpt.wait(barrier.wait if told else None)
+
+    results = run_ranks(2, rank_main)
+    assert all(r.ok for r in results), [r.error for r in results]
+    gaps = [b - a for a, b in zip(listings, listings[1:])]
+    print(f"told={told}: {len(listings)} listings, gaps {[round(g, 2) for g in gaps]} s")
+    assert all(g >= 0.9 for g in gaps[:-1])          # the scheduled polls: one a second
+    if told:
+        assert gaps[-1] < 0.85                         # the last look came from the barrier, not the schedule
+    else:
+        assert gaps[-1] >= 0.9 and len(listings) <= 3  # 1.3 s of waiting: looks at 0, 1 and 2 s
