@@ -141,7 +141,9 @@ def measure(rank: int, dp: int, config: str, root: str, overrides: list, block_k
         g = torch.randn(p.shape, generator=gen, dtype=p.dtype) * 1e-3
         p.grad = g if p.grad is None else p.grad.copy_(g)
     optimizer.step(0)
-    if hasattr(runtime, "finish_param_gather"):  # the parameter all-gather may still run under the next forward
+    # the parameter all-gather may still run under the next forward; a --before checkout may predate it (and the
+    # runtime's gather_object below), hence the lookups instead of the TrainerRuntime protocol's guarantee
+    if hasattr(runtime, "finish_param_gather"):
         runtime.finish_param_gather()
     held = held_bytes(model, optimizer)
     moments_total = sum(runtime.all_gather_object(held["moments"]))

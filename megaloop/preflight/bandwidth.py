@@ -61,16 +61,8 @@ def bus_bandwidth(kind: str, group, numel: int, device: torch.device, dtype=torc
     """GB/s of `kind` over `group` (every rank of the group calls this), the slowest rank's time over `iters` calls
     after one warm-up."""
     run, count = _collective(kind, group, numel, device, dtype)
-    run()
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(iters):
-        run()
-    _sync(device)
-    elapsed = torch.tensor([(time.perf_counter() - start) / iters], device=device, dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
     size = count * torch.finfo(dtype).bits // 8
-    return size / float(elapsed) / 1e9 * FACTORS[kind](dist.get_world_size(group))
+    return size / _slowest_seconds(run, group, device, iters) / 1e9 * FACTORS[kind](dist.get_world_size(group))
 
 
 def sendrecv_bandwidth(group, numel: int, device: torch.device, dtype=torch.float32, iters: int = 3) -> float:
@@ -87,6 +79,11 @@ def sendrecv_bandwidth(group, numel: int, device: torch.device, dtype=torch.floa
                                             dist.P2POp(dist.irecv, into, peer, group)]):
             work.wait()
 
+    return numel * torch.finfo(dtype).bits // 8 / _slowest_seconds(run, group, device, iters) / 1e9
+
+
+def _slowest_seconds(run, group, device: torch.device, iters: int) -> float:
+    """Seconds per call of `run` (one warm-up, then `iters` timed calls), the slowest rank of `group`'s."""
     run()
     _sync(device)
     start = time.perf_counter()
@@ -95,4 +92,4 @@ def sendrecv_bandwidth(group, numel: int, device: torch.device, dtype=torch.floa
     _sync(device)
     elapsed = torch.tensor([(time.perf_counter() - start) / iters], device=device, dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-    return numel * torch.finfo(dtype).bits // 8 / float(elapsed) / 1e9
+    return float(elapsed)
