@@ -16,6 +16,11 @@ def _parser() -> argparse.ArgumentParser:
     from megaloop.train import flops_cli
 
     flops_cli.add_arguments(_config_args(sub.add_parser("flops", help=flops_cli.HELP, description=flops_cli.HELP)))
+    from megaloop.train import bench
+
+    bench.add_arguments(_config_args(sub.add_parser("bench", help=bench.HELP, description=bench.HELP + ", e.g. "
+                                                    "`python -m megaloop bench configs/parcae-tiny.yaml --steps 10 "
+                                                    "--set data.shards=runs/quickstart/shards`")))
     launch = "check the config for N processes, then train on them with torchrun --standalone (one machine)"
     p = _config_args(sub.add_parser("launch", help=launch, description=launch + ": a bad config is one line and exit "
                                     "code 2 before any process starts, e.g. `python -m megaloop launch "
@@ -73,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_flops(args, load_config(args.config, args.overrides, validate=False))
         if args.command == "launch":
             return _launch(args)
+        if args.command == "bench":
+            from megaloop.train.bench import run_bench
+
+            return run_bench(args)
         if args.command == "peak":
             from megaloop.train.peak_cli import run_peak
 
