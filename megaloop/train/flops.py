@@ -118,6 +118,24 @@ class FlopModel:
         return tokens_per_seq * len(n) * self.per_token(float(n.max()), float(k.max()))
 
 
+def fp8_shares(cfg: ModelConfig, prelude_coda: bool = False) -> tuple[float, float]:
+    """(share of a lap's FLOPs, share of the non-loop FLOPs) that run in FP8 GEMMs under train.fp8: the core blocks'
+    q, k, v, proj and MLP matmuls whose two dimensions are multiples of 16 (with prelude_coda, the prelude's and
+    coda's too). Attention, the head, the injection and the value-embedding gates stay in bf16."""
+    d, hd = cfg.d_model, cfg.head_dim
+    mlp_in = cfg.ffn_hidden * (2 if cfg.mlp == "swiglu" else 1)
+    shapes = [(d, cfg.n_heads * hd), (d, cfg.kv_heads * hd), (d, cfg.kv_heads * hd), (cfg.n_heads * hd, d),
+              (d, mlp_in), (cfg.ffn_hidden, d)]
+    per_block = sum(a * b for a, b in shapes if a % 16 == 0 and b % 16 == 0)
+    fm = FlopModel.of(cfg)
+    if not cfg.is_looped:  # a GPT's core blocks are part of its one stack
+        blocks = cfg.n_layers if prelude_coda else cfg.n_core
+        return 0.0, 6 * blocks * per_block / fm.non_loop
+    lap = 2 * cfg.n_core * per_block / fm.step_nograd
+    ends = 6 * (cfg.n_prelude + cfg.n_coda) * per_block / fm.non_loop if prelude_coda else 0.0
+    return lap, ends
+
+
 def depth_split(cfg: ModelConfig, depth: int | None = None) -> tuple[int, int]:
     """(n, k): the laps without and with gradient at depth T (default mu_rec): k = min(T, backprop depth), as the
     truncated-backprop samplers cut a sequence of depth T. GPT: (0, 0)."""
