@@ -130,12 +130,12 @@ def format_table(f: BenchFigures, title: str) -> str:
 
 
 def write_png(f: BenchFigures, title: str, path: Path) -> None:
-    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig = Figure(figsize=(10, 3.6))
+    FigureCanvasAgg(fig)
+    left, right = fig.subplots(1, 2)
     rates = {"useful": f.useful_tflops, "executed": f.executed_tflops, "hardware": f.hardware_tflops}
     left.bar(list(rates), list(rates.values()), color=["tab:green", "tab:blue", "tab:gray"])
     left.set_ylabel("TFLOP/s")
@@ -151,7 +151,6 @@ def write_png(f: BenchFigures, title: str, path: Path) -> None:
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
-    plt.close(fig)
 
 
 def _train(args, sets: list[str], cfg) -> int:
