@@ -111,11 +111,6 @@ def set_attention_backend(model: nn.Module, backend: str) -> None:
             module.backend = backend
 
 
-def attention_backend_of(model: nn.Module) -> str:
-    """The kernel the model's attention layers run ("none" without any), for the run header."""
-    return next((m.backend for m in model.modules() if isinstance(m, Attention)), "none")
-
-
 def flash_call(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """flash-attn's function on the block's layout: q [B, S, H, D], k/v [B, S, Hkv, D] as they are (grouped kv
     heads and [B, S, H, D] are flash-attn's own layout), causal; FA3 returns (out, lse) in some versions."""

@@ -20,7 +20,7 @@ from megaloop.train.data import open_data
 from megaloop.train.evaluate import default_val_depths, final_val_depths, validation_losses
 from megaloop.train.flops import FlopModel
 from megaloop.train.hardware import bf16_support
-from megaloop.model.attention import attention_backend_of
+from megaloop.model.attention import resolve_attention_backend
 from megaloop.train.peak import PeakGuard, cpu_peak
 from megaloop.train.precision import PrecisionChoice, apply_optimizer_precision, param_dtype, resolve_precision
 from megaloop.train.metrics import MetricsWriter
@@ -154,7 +154,7 @@ def build_model_and_optimizer(cfg: Config, runtime: TrainerRuntime, device: torc
     megaloop.train.build), or only allocated (init=False: a resumed job, whose checkpoint fills every parameter).
     native_bf16: the device computes bf16 natively (Muon's Polar Express runs in bf16 then, else in fp32); None: ask
     the device."""
-    from megaloop.model.attention import resolve_attention_backend, set_attention_backend
+    from megaloop.model.attention import set_attention_backend
 
     precision = cfg.train.precision
     if native_bf16 is None:
@@ -196,7 +196,7 @@ def _run(cfg, runtime: TrainerRuntime, model, optimizer, data: DataSource, ckpt,
     guard = PeakGuard(device, cfg.train.precision, runtime.world_size)
     _note_peak(summary, guard)
     summary.precision, summary.precision_why = choice.precision, choice.why
-    summary.attention = attention_backend_of(model)
+    summary.attention = resolve_attention_backend(cfg.model.attention, device)  # as built (the lookups are cached)
     if runtime.is_main:
         _print_header(cfg, runtime, summary, choice)
         out_dir.mkdir(parents=True, exist_ok=True)
