@@ -1,4 +1,4 @@
-"""megaloop command line: `python -m megaloop train|check|flops|launch|plan CONFIG [--set key=value ...]`,
+"""megaloop command line: `python -m megaloop train|check|flops|bench|launch|plan CONFIG [--set key=value ...]`,
 `python -m megaloop peak` (the CPU peak MFU divides by) and `python -m megaloop preflight` (every communication
 path of a job, checked and timed)."""
 from __future__ import annotations
@@ -11,11 +11,16 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="megaloop", description="Pretraining of stable looped (Parcae) language models.")
     sub = ap.add_subparsers(dest="command", required=True)
     for name, help_text in (("train", "train a model from a YAML config"),
-                            ("check", "validate a config and print the resolved tree and model size, then exit"),
-                            ("flops", "print the training FLOPs per token at mu_rec (paper Eq. 14 + attention, "
-                                      "full convention) and the tokens per step, as one JSON line; the data "
-                                      "directory need not exist (used by `python -m slurm sweep`)")):
+                            ("check", "validate a config and print the resolved tree and model size, then exit")):
         _config_args(sub.add_parser(name, help=help_text, description=help_text))
+    from megaloop.train import flops_cli
+
+    flops_cli.add_arguments(_config_args(sub.add_parser("flops", help=flops_cli.HELP, description=flops_cli.HELP)))
+    from megaloop.train import bench
+
+    bench.add_arguments(_config_args(sub.add_parser("bench", help=bench.HELP, description=bench.HELP + ", e.g. "
+                                                    "`python -m megaloop bench configs/parcae-tiny.yaml --steps 10 "
+                                                    "--set data.shards=runs/quickstart/shards`")))
     launch = "check the config for N processes, then train on them with torchrun --standalone (one machine)"
     p = _config_args(sub.add_parser("launch", help=launch, description=launch + ": a bad config is one line and exit "
                                     "code 2 before any process starts, e.g. `python -m megaloop launch "
@@ -68,9 +73,15 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "flops":
-            return _flops(load_config(args.config, args.overrides, validate=False))
+            from megaloop.train.flops_cli import run_flops
+
+            return run_flops(args, load_config(args.config, args.overrides, validate=False))
         if args.command == "launch":
             return _launch(args)
+        if args.command == "bench":
+            from megaloop.train.bench import run_bench
+
+            return run_bench(args)
         if args.command == "peak":
             from megaloop.train.peak_cli import run_peak
 
@@ -105,22 +116,6 @@ def _launch(args) -> int:
     from megaloop.launch import run_launch
 
     return run_launch(args)
-
-
-def _flops(cfg) -> int:
-    """One JSON line: FLOPs per trained token at the mean depth mu_rec (mu_rec - k forward-only loop steps and k with
-    gradient), tokens per optimizer step. Only the model section is validated."""
-    import json
-
-    from megaloop.train.flops import FlopModel
-
-    m = cfg.model
-    m.validate()
-    k = m.backprop_depth if m.is_looped else 0
-    n = m.mu_rec - k if m.is_looped else 0
-    print(json.dumps({"flops_per_token": FlopModel.of(m).per_token(n, k),
-                      "tokens_per_step": cfg.data.global_batch_size * m.seq_len, "mu_rec": m.mu_rec, "mu_bwd": k}))
-    return 0
 
 
 def _check(cfg) -> int:

@@ -34,13 +34,15 @@ from pipeline.micro_batches import MicroBatchResult, NoTimer
 from pipeline.model_view import ModelView
 from pipeline.parallel_lm import ParallelLM
 from pipeline.ring import MicroBatch, chain, rank_of, ring_schedule, with_p2p
-from pipeline.ring.actions import Embed, Forward, Loss
+from pipeline.ring.actions import Backward, Embed, EmbedBackward, Forward, Loss, LossBackward
 from pipeline.layout import group_ranks
 from pipeline.ring.channels import ring_channels
 from pipeline.ring.execute import RingExecutor
 from pipeline.runtime import ParallelRuntime
 from pipeline.tensor_parallel import TensorParallelInfo
 from pipeline.vocab_parallel import vocab_parallel_cross_entropy
+
+BACKWARD_ACTIONS = (Backward, LossBackward, EmbedBackward)
 
 
 @dataclass(frozen=True)
@@ -175,8 +177,15 @@ class PipelineRuntime(ParallelRuntime):
         specs = [MicroBatch(**spec) for spec in program.specs()]
         actions = self._schedule(specs, ahead=False)
         with one_autocast_region(self.device):
-            self._executor(program).run(actions, specs)
-        timer.add("forward", t0, timer.mark())
+            ran = self._executor(program).run(actions, specs)
+        t1 = timer.mark()
+        if getattr(timer, "cuda", True) or ran is None:  # device work is asynchronous: the run as a whole
+            timer.add("forward", t0, t1)
+        else:  # host wall times: each compute action, and each wait for a neighbour's messages
+            for action, start, end in ran.timings:
+                timer.add("backward" if isinstance(action, BACKWARD_ACTIONS) else "forward", start, end)
+            for _, posted, done in ran.posts:
+                timer.add("pipeline_idle", posted, done)
         return [self._result(program, mb) for mb in range(len(specs))]
 
     def plan_ahead(self, model: PipelineStage, micro_batches) -> None:

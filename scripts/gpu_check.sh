@@ -5,7 +5,9 @@
 # tensors through pinned host buffers and read back bit for bit, the runtime's reductions on NCCL, and flash-attn
 # against PyTorch's SDPA (when flash-attn is installed: requirements-gpu.txt). Nothing is installed here: it uses
 # .venv when present, else $PYTHON (default python3), which must already have the packages of requirements.txt (with
-# torch's CUDA build).
+# torch's CUDA build). Then the attention kernels (flash-attn 2 and 3, TE) against SDPA, and the throughput of
+# parcae-770m at seq 2048 in bf16 (`megaloop bench`: tokens/s, MFU); its shards are made once from
+# data/sample_corpus under runs/gpu_check (or SHARDS=DIR: shards of seq_len 2048 and vocab <= 32768).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -27,4 +29,7 @@ for name in ("flash_attn", "flash_attn_interface", "transformer_engine", "deepsp
         print(f"{name}: not available ({type(err).__name__})")
 PYEOF
 export PYTHONUNBUFFERED=1
-exec "$PY" -m pytest -q -s -rs -p no:cacheprovider -m gpu tests/gpu "$@"
+status=0
+"$PY" -m pytest -q -s -rs -p no:cacheprovider -m gpu tests/gpu "$@" || status=$?
+bash scripts/gpu_bench.sh || status=$?
+exit $status

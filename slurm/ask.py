@@ -4,7 +4,7 @@ imports megaloop: it renders commands that run megaloop's entry points).
 check(): `python -m megaloop check CONFIG --set ...` with WORLD_SIZE set to the job's process count validates the
 whole config, the parallel layout and the data directory before a job waits in a queue for hours.
 
-costs(): training FLOPs per token at each mu_rec of a sweep, from megaloop's own FLOP model: `python -m megaloop flops CONFIG --set ...` prints one JSON object
+costs(): training FLOPs per token at each mu_rec of a sweep, from megaloop's own FLOP model: `python -m megaloop flops CONFIG --json --set ...` prints one JSON object
 {"flops_per_token": F, "tokens_per_step": global_batch_size * seq_len, "mu_rec": M, "mu_bwd": K}. Where that command does not exist yet,
 the same numbers come from a short child program that calls megaloop.train.flops.FlopModel directly: the FLOPs of
 one token at the nominal depth, mu_rec - mu_bwd loop steps without and mu_bwd (model.backprop_depth) with gradient.
@@ -67,9 +67,9 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess:
 def costs(config: str, overrides: list[str], mu_values: list[int], python: str = sys.executable) -> dict[int, Cost]:
     """mu_rec -> Cost for the config with the user's overrides and model.mu_rec set to each value."""
     runs = [list(overrides) + [f"model.mu_rec={mu}"] for mu in mu_values]
-    first = _run([python, "-m", "megaloop", "flops", config] + [a for o in runs[0] for a in ("--set", o)])
+    first = _run([python, "-m", "megaloop", "flops", config, "--json"] + [a for o in runs[0] for a in ("--set", o)])
     if first.returncode == 0:
-        answers = [first.stdout] + [_checked([python, "-m", "megaloop", "flops", config] +
+        answers = [first.stdout] + [_checked([python, "-m", "megaloop", "flops", config, "--json"] +
                                              [a for o in run for a in ("--set", o)]) for run in runs[1:]]
     elif "invalid choice" in first.stderr:  # no `flops` command: ask the FLOP model directly
         answers = _checked([python, "-c", _FALLBACK, config, json.dumps(runs)]).splitlines()

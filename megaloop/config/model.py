@@ -17,7 +17,7 @@ DEPTH_SAMPLERS = (
     "poisson-lognormal-filling",
     "poisson-lognormal-filling-seq",
 )
-ATTN_BACKENDS = ("auto", "sdpa", "flash", "math")
+ATTN_BACKENDS = ("auto", "sdpa", "flash2", "flash3", "te", "math")
 
 
 @dataclass
@@ -48,7 +48,7 @@ class ModelConfig:
     rope_base: float = 50000.0
     norm_eps: float = 1e-5
     init_std: float | None = None  # None: sqrt(2 / (5 d))
-    attn_backend: str = "auto"
+    attention: str = "auto"  # auto | sdpa | flash2 | flash3 | te | math: the kernel (megaloop/model/attention.py)
     mu_rec: int = 8
     mu_bwd: int | None = None  # None: ceil(mu_rec / 2)
     depth_sampler: str = "poisson-truncated-full"
@@ -89,7 +89,7 @@ class ModelConfig:
         check_choice("model.block", self.block, BLOCKS)
         check_choice("model.mlp", self.mlp, MLPS)
         check_choice("model.depth_sampler", self.depth_sampler, DEPTH_SAMPLERS)
-        check_choice("model.attn_backend", self.attn_backend, ATTN_BACKENDS)
+        check_choice("model.attention", self.attention, ATTN_BACKENDS)
         for name in ("vocab_size", "d_model", "n_heads", "seq_len", "n_core", "ve_gate_channels"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"model.{name}", getattr(self, name), "must be >= 1")

@@ -1,11 +1,19 @@
 """Causal self-attention of the reference block: q/k/v/proj, interleaved RoPE, weightless QK-norm after RoPE,
-gated value embeddings; the attention kernel is chosen by name (SDPA on CPU, flash-attn on GPU when installed).
+gated value embeddings; the attention kernel is chosen by name (model.attention).
+
+Kernels: sdpa (PyTorch's scaled_dot_product_attention; the CPU's), flash2 (flash-attn 2, package flash_attn), flash3
+(flash-attn 3 for Hopper, module flash_attn_interface), te (Transformer Engine's DotProductAttention: cuDNN fused
+attention or flash-attn, chosen by TE), math (explicit products in fp32: the reference). All take q [B, S, H, D] and
+k/v [B, S, Hkv, D], causal, scale 1/sqrt(D). The flash kernels and TE take that layout and grouped kv heads as they
+are (query head h reads kv head h // (H / Hkv), as repeat_interleave gives SDPA); with S_q = S_k their causal mask
+(bottom-right aligned) is SDPA's (top-left aligned).
 
 The kernel is resolved once, when the model is built for its device (:func:`resolve_attention_backend`, called by
-the trainer): "auto" becomes "flash" or "sdpa" there, and a flash-attn that is installed but cannot be imported
-(a build for another torch or CUDA, a missing shared library) is an error naming the package, never a silent fall
-back to SDPA on every call. Only a flash-attn that is absent (ModuleNotFoundError for the package itself) counts
-as "not installed".
+the trainer, which prints it in the run header): "auto" becomes flash3, flash2 (whichever is installed, in that
+order) or sdpa on a CUDA device, sdpa on the CPU. A flash-attn or Transformer Engine that is installed but cannot be
+imported (a build for another torch or CUDA, a missing shared library) is an error naming the package, never a
+silent fall back to SDPA on every call. Only a package that is absent (ModuleNotFoundError for the package itself)
+counts as "not installed". Nothing here imports flash-attn or Transformer Engine on a CPU device.
 """
 from __future__ import annotations
 
@@ -19,21 +27,26 @@ from torch import nn
 
 from megaloop.model.layers import apply_rope_interleaved, rms_norm_weightless, upcast
 
-# (module, function name, label): FA3 (Hopper) first, then FA2
-_FLASH_MODULES = (("flash_attn_interface", "flash_attn_func", "flash-attn 3 (flash_attn_interface)"),
-                  ("flash_attn", "flash_attn_func", "flash-attn 2 (flash_attn)"))
+# backend -> (module, function name, label)
+_FLASH_MODULES = {"flash3": ("flash_attn_interface", "flash_attn_func", "flash-attn 3 (flash_attn_interface)"),
+                  "flash2": ("flash_attn", "flash_attn_func", "flash-attn 2 (flash_attn)")}
+_PIP = {"flash_attn_interface": "flash-attn-3", "flash_attn": "flash-attn",
+        "transformer_engine.pytorch": "transformer-engine"}
+GPU_BACKENDS = ("flash2", "flash3", "te")
 
 
 class AttentionBackendError(RuntimeError):
-    """A flash-attn package that is installed but unusable; the message names it and what to do."""
+    """A kernel package that is installed but unusable, or one asked for where it cannot run; the message names it
+    and what to do."""
 
 
-def _import_flash(module: str, func: str, label: str):
-    """The kernel function of one flash-attn package; None when the package is not installed at all."""
+def _import(module: str, label: str, attr: str | None = None):
+    """`module` (or its `attr`); None when the package is not installed at all."""
     try:
-        return getattr(importlib.import_module(module), func)
+        loaded = importlib.import_module(module)
+        return getattr(loaded, attr) if attr else loaded
     except ModuleNotFoundError as err:
-        if err.name == module:  # the package itself is absent: not installed
+        if err.name == module or module.startswith(f"{err.name}."):  # the package itself is absent
             return None
         problem = err
     except Exception as err:  # noqa: BLE001 - an installed package that fails to import, whatever the reason
@@ -41,33 +54,53 @@ def _import_flash(module: str, func: str, label: str):
     raise AttentionBackendError(
         f"{label} is installed but cannot be imported ({type(problem).__name__}: {problem}): it was likely built for "
         f"another torch or CUDA version; reinstall it for this environment (pip install -r requirements-gpu.txt), "
-        f"uninstall it (pip uninstall {module.replace('_', '-')}) to use PyTorch's sdpa, or set "
-        "model.attn_backend=sdpa") from problem
+        f"uninstall it (pip uninstall {_PIP.get(module, module)}) to use PyTorch's sdpa, or set "
+        "model.attention=sdpa") from problem
 
 
 @functools.lru_cache(maxsize=None)
+def flash_function(backend: str):
+    """flash-attn's function for "flash2" or "flash3" if that package is installed, else None; an installed but
+    broken package raises AttentionBackendError. Looked up once per process."""
+    module, func, label = _FLASH_MODULES[backend]
+    return _import(module, label, func)
+
+
 def flash_attn_function():
-    """flash-attn's function (FA3, else FA2) if installed, else None; an installed but broken package raises
-    AttentionBackendError. Looked up once per process."""
-    for module, func, label in _FLASH_MODULES:
-        fn = _import_flash(module, func, label)
+    """The flash-attn function auto would pick (FA3, else FA2), or None."""
+    for backend in ("flash3", "flash2"):
+        fn = flash_function(backend)
         if fn is not None:
             return fn
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def te_module():
+    """transformer_engine.pytorch if installed (None if absent; broken: AttentionBackendError). Imported only for a
+    CUDA device (TE cannot construct a module without one)."""
+    return _import("transformer_engine.pytorch", "Transformer Engine (transformer_engine.pytorch)")
+
+
 def resolve_attention_backend(backend: str, device: torch.device | str) -> str:
-    """The concrete kernel for model.attn_backend on `device`: "flash", "sdpa" or "math". auto is flash-attn on a
-    CUDA device where installed, else sdpa; flash where flash-attn is absent, or a broken flash-attn, is an error."""
-    if torch.device(device).type != "cuda":
-        return "sdpa" if backend in ("auto", "flash") else backend
-    if backend in ("auto", "flash"):
-        if flash_attn_function() is not None:
-            return "flash"
-        if backend == "flash":
-            raise AttentionBackendError("model.attn_backend=flash but flash-attn is not installed here (pip install "
-                                        "-r requirements-gpu.txt), or use auto (flash-attn when present, else sdpa)")
-        return "sdpa"
+    """The concrete kernel for model.attention on `device`: "sdpa", "flash2", "flash3", "te" or "math". auto is
+    flash3, else flash2, on a CUDA device where installed, else sdpa; a GPU kernel asked for on the CPU, or one that
+    is not installed, or a broken one, is an error."""
+    cuda = torch.device(device).type == "cuda"
+    if backend in GPU_BACKENDS and not cuda:
+        raise AttentionBackendError(f"model.attention={backend} needs a CUDA device; use auto (sdpa on the CPU) or "
+                                    "sdpa")
+    if not cuda:
+        return "sdpa" if backend == "auto" else backend
+    if backend == "auto":
+        return next((b for b in ("flash3", "flash2") if flash_function(b) is not None), "sdpa")
+    if backend in _FLASH_MODULES and flash_function(backend) is None:
+        raise AttentionBackendError(f"model.attention={backend} but {_FLASH_MODULES[backend][2]} is not installed "
+                                    "here (pip install -r requirements-gpu.txt), or use auto (flash-attn when "
+                                    "present, else sdpa)")
+    if backend == "te" and te_module() is None:
+        raise AttentionBackendError("model.attention=te but Transformer Engine is not installed here (pip install "
+                                    "--no-build-isolation transformer_engine[pytorch]), or use auto")
     return backend
 
 
@@ -78,18 +111,39 @@ def set_attention_backend(model: nn.Module, backend: str) -> None:
             module.backend = backend
 
 
+def flash_call(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """flash-attn's function on the block's layout: q [B, S, H, D], k/v [B, S, Hkv, D] as they are (grouped kv
+    heads and [B, S, H, D] are flash-attn's own layout), causal; FA3 returns (out, lse) in some versions."""
+    out = fn(q.contiguous(), k.contiguous(), v.contiguous(), causal=True, softmax_scale=scale)
+    return out[0] if isinstance(out, tuple) else out
+
+
+@functools.lru_cache(maxsize=None)
+def _te_attention(heads: int, kv_heads: int, head_dim: int, scale: float):
+    """One TE DotProductAttention per shape, kept out of the model's modules (it has no weights; its _extra_state
+    stays out of the checkpoint)."""
+    return te_module().DotProductAttention(heads, head_dim, num_gqa_groups=kv_heads, qkv_format="bshd",
+                                           attn_mask_type="causal", softmax_scale=scale)
+
+
+def te_call(dpa, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """TE's DotProductAttention (qkv_format "bshd", causal) on the block's layout; it returns [B, S, H * D]."""
+    b, s, h, d = q.shape
+    return dpa(q.contiguous(), k.contiguous(), v.contiguous()).view(b, s, h, d)
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "auto") -> torch.Tensor:
-    """q [B, S, H, D], k/v [B, S, Hkv, D] -> [B, S, H, D], causal, scale 1/sqrt(D). backend "flash" runs flash-attn
-    on half-precision CUDA inputs (SDPA otherwise); "auto" resolves as resolve_attention_backend does, looked up once
-    per process."""
+    """q [B, S, H, D], k/v [B, S, Hkv, D] -> [B, S, H, D], causal, scale 1/sqrt(D), with a resolved backend (see
+    resolve_attention_backend). The flash kernels and TE take half-precision CUDA inputs; other inputs (an fp32
+    evaluation on the same model) run SDPA."""
     scale = 1.0 / math.sqrt(q.shape[-1])
-    if backend in ("auto", "flash") and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        fn = flash_attn_function()
-        if fn is not None:
-            out = fn(q, k, v, causal=True, softmax_scale=scale)
-            return out[0] if isinstance(out, tuple) else out
-        if backend == "flash":
-            raise AttentionBackendError("model.attn_backend=flash but flash-attn is not installed; use auto or sdpa")
+    gpu_ready = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    if backend == "auto":  # a model built outside the trainer: resolved here (the lookups are cached)
+        backend = resolve_attention_backend("auto", q.device)
+    if backend in _FLASH_MODULES and gpu_ready:
+        return flash_call(flash_function(backend), q, k, v, scale)
+    if backend == "te" and gpu_ready:
+        return te_call(_te_attention(q.shape[2], k.shape[2], q.shape[3], scale), q, k, v)
     if k.shape[2] != q.shape[2]:
         rep = q.shape[2] // k.shape[2]
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)

@@ -24,7 +24,7 @@ class Block(nn.Module):
         self.has_ve = cfg.value_embeds and has_value_embedding(layer, cfg.n_layers)
         self.sandwich = cfg.block == "sandwich"
         self.norm_1 = RMSNorm(d, eps)
-        self.attn = Attention(d, cfg.n_heads, cfg.kv_heads, self.has_ve, cfg.ve_gate_channels, cfg.attn_backend)
+        self.attn = Attention(d, cfg.n_heads, cfg.kv_heads, self.has_ve, cfg.ve_gate_channels, cfg.attention)
         self.norm_2 = RMSNorm(d, eps)
         mlp_cls = ReluSquaredMLP if cfg.mlp == "relu2" else SwiGLUMLP
         self.mlp = mlp_cls(d, cfg.ffn_hidden)

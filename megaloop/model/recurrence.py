@@ -30,7 +30,10 @@ class LoopResult:
 
 
 def _slice(rows, p: int):
-    return [None if r is None else r[:p] for r in rows]
+    """The first p rows of each; the tensor itself when that is all of it (a view made under no_grad of a tensor
+    that requires grad reports requires_grad without a grad_fn, which module hooks such as FlopCounterMode's
+    tracker cannot attach to)."""
+    return [None if r is None else r if p == r.shape[0] else r[:p] for r in rows]
 
 
 def run_loop_ragged(lap: Callable, h0: torch.Tensor, rows: list, plan: RaggedPlan) -> LoopResult:

@@ -80,7 +80,8 @@ def planner_for(args, cfg: Config, world: int) -> Planner:
     _check(args)
     cluster = Cluster(args.gpus_per_node, Link(args.intra_gbps * 1e9, args.intra_latency_us * 1e-6),
                       Link(args.inter_gbps * 1e9, args.inter_latency_us * 1e-6))
-    device = device_for(args.gpu, cfg.train.precision, args.mfu, args.peak_tflops)
+    device = device_for(args.gpu, cfg.train.precision, args.mfu, args.peak_tflops,
+                        fp8=getattr(cfg.train, "fp8", "none") != "none")
     comm = DpComm(args.buckets, args.param_gather == "overlapped")
     return Planner(job_gpu(args.gpu), world, device, cluster, comm, args.in_flight)
 

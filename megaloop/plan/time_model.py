@@ -38,7 +38,7 @@ from megaloop.plan.comm import Cluster, DpComm, DpTraffic, Link, collective_time
 from megaloop.plan.layout import LocalParam
 from megaloop.plan.pipeline import _forward_flops, core_ranges, micro_batch_specs, stage_params
 from megaloop.plan.planner import Plan
-from megaloop.train.flops import FlopModel
+from megaloop.train.flops import FlopModel, fp8_shares
 from pipeline.dist_muon import assign_owners
 from pipeline.ring import CostModel, MicroBatch, ring_schedule, simulate
 
@@ -55,6 +55,7 @@ class Device:
     peak_tflops: float
     efficiency: float = DEFAULT_EFFICIENCY
     optimizer_tflops: float | None = None  # the peak of Muon's Polar Express dtype (bf16 where native); None: peak
+    fp8_tflops: float | None = None  # the dense FP8 peak, for the GEMMs train.fp8 runs in FP8; None: FP8 off
 
     def __post_init__(self):
         if not self.peak_tflops > 0:
@@ -71,6 +72,13 @@ class Device:
     def optimizer_rate(self) -> float:
         """FLOP/s of the Polar Express iteration (its own dtype's peak at the same efficiency)."""
         return (self.optimizer_tflops or self.peak_tflops) * 1e12 * self.efficiency
+
+    def time_factor(self, fp8_share: float) -> float:
+        """Seconds of work with `fp8_share` of its FLOPs in FP8 GEMMs over the same work at `rate`: the FP8 part
+        runs at the FP8 peak times the same efficiency."""
+        if not self.fp8_tflops or not fp8_share:
+            return 1.0
+        return 1.0 - fp8_share + fp8_share * self.peak_tflops / self.fp8_tflops
 
 
 @dataclass(frozen=True)
@@ -137,6 +145,9 @@ class _Rank:
         self.mm = 2 if cfg.train.precision == "bf16" else self.act
         self.recompute = cfg.train.activation_checkpointing != "none"
         self.tp_link = cluster.group_link(lay.tp, 1)
+        fp8 = getattr(cfg.train, "fp8", "none") != "none"
+        lap, ends = fp8_shares(cfg.model, getattr(cfg.train, "fp8_prelude_coda", False)) if fp8 else (0.0, 0.0)
+        self.lap_factor, self.ends_factor = device.time_factor(lap), device.time_factor(ends)
 
     def micro_rows(self, n_micro: int) -> float:
         return self.rows / n_micro
@@ -174,9 +185,10 @@ class _Rank:
         fracs = [spec.active_fraction(lap) for lap in range(spec.laps)]
         grad = sum(fracs[grad_from:]) if m.is_looped else 0.0
         every = sum(fracs) if m.is_looped else 0.0
-        fwd = f.non_loop / 3 + every * f.step_nograd
-        bwd = 2 * f.non_loop / 3 + grad * (f.step_grad - f.step_nograd) + (grad * f.step_nograd if self.recompute
-                                                                            else 0.0)
+        nl, lf = f.non_loop * self.ends_factor, self.lap_factor
+        fwd = nl / 3 + every * f.step_nograd * lf
+        bwd = 2 * nl / 3 + lf * (grad * (f.step_grad - f.step_nograd) + (grad * f.step_nograd if self.recompute
+                                                                         else 0.0))
         ends = (m.n_prelude + m.n_coda) if m.is_looped else m.n_layers
         core_f = sum(self.block_comm(rows, fr) for fr in fracs) * m.n_core if m.is_looped else 0.0
         core_b = sum(self.block_comm(rows, fr) for fr in fracs[grad_from:]) * m.n_core if m.is_looped else 0.0
@@ -245,13 +257,14 @@ def _pipeline_time(plan: Plan, device: Device, cluster: Cluster, comm: DpComm) -
     unit = rank.tokens(rows) * largest / lay.tp / device.rate  # one forward lap segment of the largest stage
     c = pipe.costs
     back = c.backward + (c.forward if rank.recompute else 0.0)
-    compute = CostModel(forward=unit, backward=back * unit, nograd_forward=unit, embed=c.embed * unit,
-                        embed_backward=c.embed_backward * unit, loss=c.loss * unit,
-                        loss_backward=c.loss_backward * unit)
+    lap, ends = unit * rank.lap_factor, unit * rank.ends_factor  # FP8 GEMMs (train.fp8) at the FP8 peak
+    compute = CostModel(forward=lap, backward=back * lap, nograd_forward=lap, embed=c.embed * ends,
+                        embed_backward=c.embed_backward * ends, loss=c.loss * ends,
+                        loss_backward=c.loss_backward * ends)
     blocks = max(b - a for a, b in ranges)
     blk = rank.block_comm(rows)
     emb, head = rank.ends_comm(rows)
-    with_tp = replace(compute, forward=unit + blocks * blk, nograd_forward=unit + blocks * blk,
+    with_tp = replace(compute, forward=lap + blocks * blk, nograd_forward=lap + blocks * blk,
                       backward=compute.backward + blocks * blk * (2 if rank.recompute else 1),
                       embed=compute.embed + m.n_prelude * blk + emb / 2,
                       embed_backward=compute.embed_backward + m.n_prelude * blk + emb / 2,
@@ -286,9 +299,31 @@ GPU_PEAK_NAMES = {"h100": "H100", "h200": "H200", "a100": "A100"}  # megaloop.tr
 
 
 def device_for(name: str, precision: str, efficiency: float = DEFAULT_EFFICIENCY,
-               peak_tflops: float | None = None) -> Device:
+               peak_tflops: float | None = None, fp8: bool = False) -> Device:
     """The time model's device: a GPU's dense peak from megaloop.train.peak's table, or "cpu": this machine's
-    matmul peak as `python -m megaloop peak` caches it (measured now when missing); `peak_tflops` overrides."""
+    matmul peak as `python -m megaloop peak` caches it (measured now when missing); `peak_tflops` overrides. fp8
+    (train.fp8 on): also the FP8 peak (the table's, or this CPU's torch._scaled_mm rate), scaled like the peak when
+    `peak_tflops` overrides it."""
+    device = _device_for(name, precision, efficiency, peak_tflops)
+    if not fp8:
+        return device
+    from megaloop.train.peak import PEAK_TFLOPS, cpu_peak
+
+    if name == "cpu":
+        fp8_peak = cpu_peak("fp8").tflops
+        base = cpu_peak(precision).tflops
+    else:
+        gpu = GPU_PEAK_NAMES.get(name, name)
+        fp8_peak, base = PEAK_TFLOPS.get((gpu, "fp8")), PEAK_TFLOPS.get((gpu, precision))
+        if fp8_peak is None:
+            raise ConfigError("train.fp8", "on", f"no FP8 peak known for {gpu} (no FP8 tensor cores in the table): "
+                              "plan with train.fp8=none")
+    if peak_tflops is not None and base:  # the same ratio to the stated peak
+        fp8_peak = fp8_peak * peak_tflops / base
+    return replace(device, fp8_tflops=fp8_peak)
+
+
+def _device_for(name: str, precision: str, efficiency: float, peak_tflops: float | None) -> Device:
     from megaloop.train.peak import PEAK_TFLOPS, cpu_peak
 
     if name == "cpu":

@@ -11,7 +11,9 @@ def assumptions(device: Device, cluster: Cluster, comm: DpComm) -> list[str]:
     buckets = "fixed 25 MiB" if comm.buckets == "fixed" else "max(40M, 1M x dp) elements"
     return [
         f"  device {device.name}: dense peak {device.peak_tflops:.4g} TFLOP/s at efficiency {device.efficiency:g} "
-        f"-> {device.rate / 1e12:.4g} TFLOP/s per GPU",
+        f"-> {device.rate / 1e12:.4g} TFLOP/s per GPU" + (
+            f"; FP8 GEMMs (train.fp8) at the FP8 peak {device.fp8_tflops:.4g} TFLOP/s x {device.efficiency:g}"
+            if device.fp8_tflops else ""),
         f"  links: intra-node {i.bandwidth / 1e9:g} GB/s, {i.latency * 1e6:g} us per ring step; inter-node "
         f"{o.bandwidth / 1e9:g} GB/s per GPU, {o.latency * 1e6:g} us ({cluster.gpus_per_node} GPUs per node)",
         f"  data-parallel buckets {buckets}; parameter all-gather "

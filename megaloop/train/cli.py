@@ -112,9 +112,9 @@ def check_before_training(cfg: Config) -> None:
     device = "cuda" if cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available()) \
         else "cpu"
     try:  # looked up once per process: the build reuses it
-        resolve_attention_backend(cfg.model.attn_backend, device)
+        resolve_attention_backend(cfg.model.attention, device)
     except AttentionBackendError as err:
-        raise ConfigError("model.attn_backend", cfg.model.attn_backend, str(err)) from None
+        raise ConfigError("model.attention", cfg.model.attention, str(err)) from None
     out = Path(cfg.train.out_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError("train.out_dir", cfg.train.out_dir, "is a file, not a directory; choose another "

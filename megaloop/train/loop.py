@@ -20,6 +20,7 @@ from megaloop.train.data import open_data
 from megaloop.train.evaluate import default_val_depths, final_val_depths, validation_losses
 from megaloop.train.flops import FlopModel
 from megaloop.train.hardware import bf16_support
+from megaloop.model.attention import resolve_attention_backend
 from megaloop.train.peak import PeakGuard, cpu_peak
 from megaloop.train.precision import PrecisionChoice, apply_optimizer_precision, param_dtype, resolve_precision
 from megaloop.train.metrics import MetricsWriter
@@ -48,6 +49,7 @@ class RunSummary:
     peak_unreliable_steps: int = 0  # steps that ran faster than the peak (MFU not reported for them)
     precision: str = ""
     precision_why: str = ""
+    attention: str = ""  # the attention kernel, as resolved at build (model.attention)
     n_params: int = 0
     is_main: bool = True
     val: dict = field(default_factory=dict)
@@ -152,14 +154,14 @@ def build_model_and_optimizer(cfg: Config, runtime: TrainerRuntime, device: torc
     megaloop.train.build), or only allocated (init=False: a resumed job, whose checkpoint fills every parameter).
     native_bf16: the device computes bf16 natively (Muon's Polar Express runs in bf16 then, else in fp32); None: ask
     the device."""
-    from megaloop.model.attention import resolve_attention_backend, set_attention_backend
+    from megaloop.model.attention import set_attention_backend
 
     precision = cfg.train.precision
     if native_bf16 is None:
         native_bf16 = bf16_support(device).native
     model = build_model(cfg.model, device="meta").to(param_dtype(precision))
     model.set_execution(cfg.train.activation_checkpointing, cfg.train.compile)
-    set_attention_backend(model, resolve_attention_backend(cfg.model.attn_backend, device))  # once, not per call
+    set_attention_backend(model, resolve_attention_backend(cfg.model.attention, device))  # once, not per call
     split = runtime.tp_size > 1 or runtime.pp_size > 1  # the runtime splits the model before it is materialised
     names = runtime.held_parameter_names(model) if split else None
     fill = (held_parameters(cfg.model, cfg.train.seed, device, names, init_split(runtime)) if init else
@@ -194,6 +196,7 @@ def _run(cfg, runtime: TrainerRuntime, model, optimizer, data: DataSource, ckpt,
     guard = PeakGuard(device, cfg.train.precision, runtime.world_size)
     _note_peak(summary, guard)
     summary.precision, summary.precision_why = choice.precision, choice.why
+    summary.attention = resolve_attention_backend(cfg.model.attention, device)  # as built (the lookups are cached)
     if runtime.is_main:
         _print_header(cfg, runtime, summary, choice)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -243,8 +246,8 @@ def _print_header(cfg: Config, runtime: TrainerRuntime, summary: RunSummary, cho
     """One line before the first step: what runs where, in which precision and why, against which peak."""
     layout = runtime.describe_layout()
     print(f"megaloop: train {cfg.train.out_dir}: {summary.n_params / 1e6:.2f}M params, tp={layout['tp']} "
-          f"pp={layout.get('pp', 1)} dp={layout['dp']}, {choice.header()}; peak {summary.peak_tflops:.4f} TFLOP/s "
-          f"({summary.peak_source})", file=sys.stderr, flush=True)
+          f"pp={layout.get('pp', 1)} dp={layout['dp']}, {choice.header()}; attention {summary.attention}; peak "
+          f"{summary.peak_tflops:.4f} TFLOP/s ({summary.peak_source})", file=sys.stderr, flush=True)
     if choice.warning:
         print(f"megaloop: warning: {choice.warning}", file=sys.stderr, flush=True)
 
@@ -328,5 +331,6 @@ def _train_record(step, stats, figures, t_data, dt, summary, optimizer, guard: P
         "idle_fraction_loop": figures.idle_fraction_loop, "useful_flops": useful, "executed_flops": executed,
         "mfu": mfu, "hfu": hfu,
         "time_data": t_data, "time_forward": stats.times["forward"], "time_backward": stats.times["backward"],
-        "time_optimizer": stats.times["optimizer"], "time_step": dt,
+        "time_optimizer": stats.times["optimizer"], "time_communication": stats.times["communication"],
+        "time_pipeline_idle": stats.times["pipeline_idle"], "time_step": dt,
     }

@@ -20,7 +20,8 @@ TRAIN_FIELDS = {
     "recurrent_residual": NUMBER, "mean_depth": NUMBER, "executed_depth": NUMBER, "idle_fraction": NUMBER,
     "idle_fraction_loop": NUMBER, "useful_flops": NUMBER,
     "executed_flops": NUMBER, "mfu": NUMBER, "hfu": NUMBER, "time_data": NUMBER, "time_forward": NUMBER,
-    "time_backward": NUMBER, "time_optimizer": NUMBER, "time_step": NUMBER,
+    "time_backward": NUMBER, "time_optimizer": NUMBER, "time_communication": NUMBER, "time_pipeline_idle": NUMBER,
+    "time_step": NUMBER,
 }
 VAL_FIELDS = {"kind": str, "step": int, "T": int, "val_loss": NUMBER, "val_bpb": NUMBER, "tokens": int}
 RESUME_FIELDS = {"kind": str, "step": int, "from": str}  # a job continued the run from a checkpoint at `step`

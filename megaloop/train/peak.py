@@ -25,13 +25,18 @@ from pathlib import Path
 
 import torch
 
-# Dense peaks in TFLOP/s (NVIDIA's sparsity figures halved).
+# Dense peaks in TFLOP/s (NVIDIA's sparsity figures halved; fp32: the non-tensor-core rate, torch's default matmul
+# precision "highest"). Keys are the words of a device name: "H100" is the SXM part, the PCIe and NVL parts have their
+# own rows, and a device name matches the longest key all of whose words it contains (device_peak).
 PEAK_TFLOPS = {
-    ("H100", "bf16"): 989.4, ("H100", "fp8"): 1978.9,
-    ("H200", "bf16"): 989.4, ("H200", "fp8"): 1978.9,
+    ("H100", "bf16"): 989.4, ("H100", "fp8"): 1978.9, ("H100", "fp32"): 66.9,
+    ("H100 PCIe", "bf16"): 756.5, ("H100 PCIe", "fp8"): 1513.0, ("H100 PCIe", "fp32"): 51.2,
+    ("H100 NVL", "bf16"): 835.5, ("H100 NVL", "fp8"): 1670.5, ("H100 NVL", "fp32"): 60.0,
+    ("H200", "bf16"): 989.4, ("H200", "fp8"): 1978.9, ("H200", "fp32"): 66.9,
+    ("H200 NVL", "bf16"): 835.5, ("H200 NVL", "fp8"): 1670.5, ("H200 NVL", "fp32"): 60.0,
     ("A100", "bf16"): 312.0, ("A100", "fp32"): 19.5,
 }
-CPU_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
+CPU_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64, "fp8": torch.float8_e4m3fn}
 TRIAL_SECONDS = 0.02  # the matrix grows until one product takes this long (or MAX_SIZE)
 MAX_SIZE = 2048
 BUDGET_SECONDS = 1.2  # the trials' total, after the sizing
@@ -51,9 +56,10 @@ def measure_cpu_peak(dtype: torch.dtype, budget_s: float = BUDGET_SECONDS) -> Me
     size, dt = 64, 0.0
     while True:
         a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
-        a @ b  # warm the kernel for this shape
+        product = _product(a, b)
+        product()  # warm the kernel for this shape
         t0 = time.perf_counter()
-        a @ b
+        product()
         dt = time.perf_counter() - t0
         if dt >= TRIAL_SECONDS or size >= MAX_SIZE:
             break
@@ -61,10 +67,19 @@ def measure_cpu_peak(dtype: torch.dtype, budget_s: float = BUDGET_SECONDS) -> Me
     best, trials, t_end = 2 * size ** 3 / dt, 1, time.perf_counter() + budget_s
     while time.perf_counter() < t_end:
         t0 = time.perf_counter()
-        a @ b
+        product()
         best = max(best, 2 * size ** 3 / (time.perf_counter() - t0))
         trials += 1
     return Measurement(best / 1e12, size, trials, time.perf_counter() - t_start)
+
+
+def _product(a: torch.Tensor, b: torch.Tensor):
+    """a @ b as a training GEMM of that dtype runs it: float8 through torch._scaled_mm (per-tensor scales, bf16
+    out), the others as plain matmuls."""
+    if a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        one, bt = torch.tensor(1.0), b.t().contiguous().t()  # _scaled_mm wants its second operand column-major
+        return lambda: torch._scaled_mm(a, bt, one, one, out_dtype=torch.bfloat16)
+    return lambda: a @ b
 
 
 def cache_dir() -> Path:
@@ -155,14 +170,24 @@ def cpu_peak(precision: str, refresh: bool = False, keep_higher: bool = False, c
                            f"cached in {cache.path}", m.seconds)
 
 
+def gpu_peak(name: str, precision: str) -> Peak:
+    """The table's dense peak for a device name as torch reports it ("NVIDIA H100 PCIe", "NVIDIA H200 NVL",
+    "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"): the longest key all of whose words are words of the name
+(case-insensitive; "GH200" is not "H200")."""
+    words = name.lower().replace("-", " ").split()
+    for gpu in sorted({g for g, _ in PEAK_TFLOPS}, key=len, reverse=True):
+        if all(part.lower() in words for part in gpu.split()):
+            value = PEAK_TFLOPS.get((gpu, precision))
+            if value is None:
+                return Peak(float("nan"), f"no {precision} peak in the table for {name!r} ({gpu})")
+            return Peak(value, f"table ({gpu} {precision} dense)")
+    return Peak(float("nan"), f"no peak known for {name!r} {precision}")
+
+
 def device_peak(device: torch.device, precision: str) -> Peak:
     """The peak of one process's device for MFU: the table for known GPUs, the cached measurement on CPU."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for (gpu, prec), peak in PEAK_TFLOPS.items():
-            if gpu in name and prec == precision:
-                return Peak(peak, f"table ({gpu} {prec} dense)")
-        return Peak(float("nan"), f"no peak known for {name!r} {precision}")
+        return gpu_peak(torch.cuda.get_device_name(device), precision)
     return cpu_peak(precision)
 
 

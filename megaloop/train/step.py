@@ -61,7 +61,7 @@ class StepStats:
     telemetry: dict = field(default_factory=dict)  # name -> sum over micro-batches of value x rows (device)
     core_rows: object = 0  # core passes executed on this rank (int, or a device tensor from the model)
     ran: list = field(default_factory=list)  # (micro-batch, the core passes the model reported for it)
-    times: dict = field(default_factory=lambda: {"forward": 0.0, "backward": 0.0, "optimizer": 0.0})
+    times: dict = field(default_factory=lambda: dict.fromkeys(TIMED, 0.0))
     record: object = None
     summed: HostCopy | None = None  # the packed statistics summed over the job, on their way to the host
 
@@ -72,8 +72,13 @@ def plan_step(depth_sample, micro_batch_size: int, by_depth: bool) -> list[Micro
     return [MicroBatch(rows, T[rows], k[rows]) for rows in split_rank_rows(T, micro_batch_size, by_depth)]
 
 
+# communication: the gradient reduction's exposed part (what reduce_gradients waits for after the backward);
+# pipeline_idle: a pipeline stage's waits for its neighbours' messages (CPU; on a GPU the ring run is "forward")
+TIMED = ("forward", "backward", "communication", "optimizer", "pipeline_idle")
+
+
 class StepTimer:
-    """forward/backward times summed over micro-batches, and the gradient reduction + optimizer. On the CPU (where
+    """forward/backward times summed over micro-batches, the gradient reduction, the optimizer. On the CPU (where
     work is synchronous): wall clock, read at the end of the step. On a GPU: CUDA events, read one step later, so
     that reading them never waits for the device (by then the step's skip decision has synchronised past them);
     one timer lives across the steps and `totals()` at step s returns step s-1's times (NaN at a job's first)."""
@@ -85,7 +90,7 @@ class StepTimer:
 
     @staticmethod
     def _empty() -> dict:
-        return {"forward": [], "backward": [], "optimizer": []}
+        return {name: [] for name in TIMED}
 
     def mark(self):
         if self.cuda:
@@ -134,9 +139,11 @@ def train_step(model, optimizer, batch: dict, depth_sample, step: int, seed: int
     stats.summed = launch_stats(stats, runtime, flop_model, seq, stop_code())  # before the gradients, on every rank
     t2 = timer.mark()
     runtime.reduce_gradients(model)
+    t3 = timer.mark()
+    timer.add("communication", t2, t3)
     stats.record = optimizer.step(step)
     optimizer.zero_grad(set_to_none=True)
-    timer.add("optimizer", t2, timer.mark())
+    timer.add("optimizer", t3, timer.mark())
     stats.times.update(timer.totals())  # on a GPU the previous step's: no synchronisation here
     return stats
 

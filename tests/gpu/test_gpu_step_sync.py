@@ -56,7 +56,7 @@ def build(tmp_path):
     from megaloop.train.runtime import SingleProcessRuntime
 
     cfg = load_config(str(REPO / "configs" / "parcae-tiny.yaml"),
-                      ["train.device=cuda", "train.precision=bf16", "train.compile=true", "model.attn_backend=flash",
+                      ["train.device=cuda", "train.precision=bf16", "train.compile=true", "model.attention=auto",
                        f"train.out_dir={tmp_path}", f"data.global_batch_size={ROWS}", "data.micro_batch_size=4"],
                       validate=False)
     device = torch.device(cfg.train.device)

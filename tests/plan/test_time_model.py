@@ -128,6 +128,30 @@ def test_compute_is_the_flop_model_at_the_stated_rate():
     assert _planner(1).estimate(block).time.compute_s == pytest.approx(t.compute_s + recompute, rel=1e-12)
 
 
+def test_fp8_runs_its_share_of_the_flops_at_the_fp8_peak():
+    """train.fp8: the core's FP8 GEMMs (their share of a lap's FLOPs, from the layer shapes) at the FP8 peak, the
+    rest at the compute dtype's; the prelude and coda too with train.fp8_prelude_coda."""
+    from megaloop.plan.comm import Cluster as C
+    from megaloop.train.flops import fp8_shares
+
+    link = Link(10e9, 10e-6)
+    fp8_planner = Planner(Gpu("test", 2**40), 1, Device("test", 1.0, 0.5, fp8_tflops=2.0), C(1, link, link), AFTER,
+                          None)
+    for extra in ([], ["train.fp8_prelude_coda=true"]):
+        cfg = load_config(TINY, FIXED + ["train.fp8=tensorwise"] + extra, world_size=1)
+        m, fm = cfg.model, FlopModel.of(cfg.model)
+        lap, ends = fp8_shares(m, prelude_coda=bool(extra))
+        d, f = m.d_model, m.ffn_hidden
+        assert lap == pytest.approx(2 * m.n_core * (4 * d * d + 2 * d * f) / fm.step_nograd, rel=1e-12)
+        assert (ends > 0) == bool(extra)
+        tokens = cfg.data.global_batch_size * m.seq_len
+        laps = (m.mu_rec - m.backprop_depth) * fm.step_nograd + m.backprop_depth * fm.step_grad
+        want = tokens * (fm.non_loop * (1 - ends / 2) + laps * (1 - lap / 2)) / 0.5e12  # FP8 at twice the rate
+        assert fp8_planner.estimate(cfg).time.compute_s == pytest.approx(want, rel=1e-12)
+    off = load_config(TINY, FIXED, world_size=1)
+    assert fp8_planner.estimate(off).time.compute_s == pytest.approx(_planner(1).estimate(off).time.compute_s)
+
+
 def test_plan_json_has_the_time_keys(capsys):
     assert main(["plan", str(TINY), "--nodes", "1", "--gpus-per-node", "2", "--set", "parallel.tp=2",
                  "--tokens", "1e9", "--json"]) == 0
@@ -165,7 +189,12 @@ def test_bad_time_flags_are_one_line_errors(capsys, flag, value, message):
 
 
 def test_a_peak_is_needed_for_a_precision_the_table_lacks(capsys):
-    assert main(["plan", str(TINY), "--nodes", "1", "--gpus-per-node", "1", "--set", "train.precision=fp32"]) == 2
+    assert main(["plan", str(TINY), "--nodes", "1", "--gpus-per-node", "1", "--set", "train.precision=fp64"]) == 2
     assert "--peak-tflops" in capsys.readouterr().err
-    assert main(["plan", str(TINY), "--nodes", "1", "--gpus-per-node", "1", "--set", "train.precision=fp32",
+    assert main(["plan", str(TINY), "--nodes", "1", "--gpus-per-node", "1", "--set", "train.precision=fp64",
                  "--peak-tflops", "60"]) == 0
+    assert main(["plan", str(TINY), "--nodes", "1", "--gpus-per-node", "1", "--set", "train.precision=fp32"]) == 0
+    assert "dense peak 66.9 TFLOP/s" in capsys.readouterr().out  # fp32 is in the table (non-tensor-core rate)
+    assert main(["plan", str(TINY), "--nodes", "1", "--gpus-per-node", "1", "--gpu", "a100",
+                 "--set", "train.fp8=tensorwise"]) == 2
+    assert "train.fp8" in capsys.readouterr().err

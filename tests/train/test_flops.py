@@ -30,8 +30,9 @@ def test_our_convention_by_hand():
                       mu_rec=3, mu_bwd=1)
     d, s, v, f = 8, 4, 100, 32
     block = 4 * d * d + 2 * d * f  # q, k, v, proj + fc, proj
-    n_nc = 2 * block + d * d + v * d  # prelude + coda + C + tied head
-    n_loop = 2 * block + d * d  # core + B
+    gate = 2 * 32  # a value-embedding gate [kv heads, 32]: layers 1 and 3 of 4 (a core and the coda block)
+    n_nc = 2 * block + gate + d * d + v * d + d * d  # prelude + coda + C + tied head + B (B e: once per forward)
+    n_loop = 2 * block + gate  # the core; A_bar h is elementwise
     fm = FlopModel.of(cfg)
     assert fm.non_loop == 6 * n_nc + 12 * d * s * 2
     assert fm.step_nograd == 2 * n_loop + 4 * d * s * 2
@@ -64,7 +65,8 @@ def test_flops_command_prints_the_flop_model_at_mu_rec(tmp_path):
 
     config = str(Path(__file__).resolve().parents[2] / "configs" / "parcae-140m.yaml")
     sets = ["model.mu_rec=6", "data.shards=" + str(tmp_path / "absent")]  # the data need not exist
-    done = subprocess.run([sys.executable, "-m", "megaloop", "flops", config] + [a for s in sets for a in ("--set", s)],
+    done = subprocess.run([sys.executable, "-m", "megaloop", "flops", config, "--json", "--by-component"] +
+                          [a for s in sets for a in ("--set", s)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     got = json.loads(done.stdout)
@@ -73,7 +75,42 @@ def test_flops_command_prints_the_flop_model_at_mu_rec(tmp_path):
     # 2 forward-only loop steps and 4 with gradient at the mean depth 6
     fm = FlopModel.of(m)
     assert got["flops_per_token"] == fm.non_loop + 2 * fm.step_nograd + 4 * fm.step_grad
+    assert got["gflop_per_token"] == pytest.approx(got["flops_per_token"] / 1e9, rel=1e-12)
+    rows = [c["name"] for c in got["components"]]  # 2 laps without gradient, then 4 with
+    assert rows == ["prelude", "injection"] + [f"lap {i} (no grad)" for i in (1, 2)] + \
+        [f"lap {i} (grad)" for i in (3, 4, 5, 6)] + ["coda", "head"]
+    assert sum(c["gflop_per_token"] for c in got["components"]) == pytest.approx(got["gflop_per_token"], rel=1e-12)
     assert got["tokens_per_step"] == 256 * 2048  # data.global_batch_size x model.seq_len of parcae-140m
     bad = subprocess.run([sys.executable, "-m", "megaloop", "flops", config, "--set", "model.mu_rec=0"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "model.mu_rec" in bad.stderr
+
+
+def test_flops_command_depth_and_reference_convention(capsys):
+    import json
+
+    from megaloop.__main__ import main
+
+    config = str(CONFIGS / "parcae-140m.yaml")
+    m = load_config(config, validate=False).model
+    total = count_parameters(build_model(m, device="meta"))
+    for depth, (n, k) in ((1, (0, 1)), (8, (4, 4)), (12, (8, 4))):
+        assert main(["flops", config, "--json", "--depth", str(depth), "--convention", "reference"]) == 0
+        got = json.loads(capsys.readouterr().out)
+        assert (got["laps_nograd"], got["laps_grad"]) == (n, k)
+        assert got["flops_per_token"] == reference_flops_per_token(m, total, depth)
+    assert got["gflop_per_token"] > PUBLISHED_GFLOP_PER_TOKEN["parcae-140m"]  # T 12 > mu_rec 8
+    assert main(["flops", config, "--depth", "0"]) == 2
+    assert "--depth" in capsys.readouterr().err
+
+
+def test_injection_term_of_e_is_outside_the_loop():
+    """B e (Parcae) and W_2 e (RDM) run once per forward: the non-loop part; RDM's W_1 h runs every lap."""
+    kw = dict(vocab_size=100, d_model=8, n_heads=2, n_prelude=1, n_core=1, n_coda=1, seq_len=4)
+    parcae, additive = FlopModel.of(ModelConfig(**kw)), FlopModel.of(ModelConfig(**kw, injection="additive"))
+    assert parcae.non_loop - additive.non_loop == 6 * 8 * 8 and parcae.step_grad == additive.step_grad
+    rdm = FlopModel.of(ModelConfig(**kw, arch="rdm", injection="concat", block="sandwich", use_C=False))
+    plain = FlopModel.of(ModelConfig(**kw, injection="additive", use_C=False, block="sandwich"))
+    assert rdm.non_loop - plain.non_loop == 6 * 8 * 8 and rdm.step_grad - plain.step_grad == 6 * 8 * 8
+    assert [c.name for c in rdm.components(1, 1)] == ["prelude", "injection", "lap 1 (no grad)", "lap 2 (grad)",
+                                                      "coda", "head"]

@@ -469,7 +469,8 @@ def test_cuda_step_times_are_read_one_step_later(monkeypatch):
             assert all(v != v for v in times.values())  # NaN: nothing measured before the first step
         else:
             assert times["forward"] == 1.0 and read[-1]
-    assert StepTimer(torch.device("cpu")).totals() == {"forward": 0, "backward": 0, "optimizer": 0}
+    assert StepTimer(torch.device("cpu")).totals() == {"forward": 0, "backward": 0, "communication": 0,
+                                                       "optimizer": 0, "pipeline_idle": 0}
 
 
 def test_read_counter_sees_device_reads():

@@ -32,9 +32,9 @@ def flash_modules(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
     monkeypatch.setitem(sys.modules, "flash_attn_interface", None)  # FA3 absent: its import raises ModuleNotFoundError
-    attention.flash_attn_function.cache_clear()
+    attention.flash_function.cache_clear()
     yield tmp_path
-    attention.flash_attn_function.cache_clear()
+    attention.flash_function.cache_clear()
 
 
 def test_a_broken_flash_attn_is_an_error_naming_the_package(flash_modules, monkeypatch):
@@ -50,12 +50,12 @@ def test_a_broken_flash_attn_is_an_error_naming_the_package(flash_modules, monke
     message = str(err.value)
     assert message.startswith("flash-attn 2 (flash_attn) is installed but cannot be imported (ImportError: "
                               "flash_attn_2_cuda.so: undefined symbol")
-    assert "reinstall it" in message and "model.attn_backend=sdpa" in message
+    assert "reinstall it" in message and "model.attention=sdpa" in message
     assert resolve_attention_backend("auto", "cpu") == "sdpa"  # the CPU never looks for flash-attn
     (package / "__init__.py").write_text("import einops_not_here\n")  # a dependency missing: still broken
     monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with pytest.raises(ConfigError, match="model.attn_backend='auto': flash-attn 2 .flash_attn. is installed but "
+    with pytest.raises(ConfigError, match="model.attention='auto': flash-attn 2 .flash_attn. is installed but "
                        "cannot be imported .ModuleNotFoundError: No module named 'einops_not_here'"):
         check_before_training(load_config(None, ["train.device=auto"]))  # before anything is built: exit code 2
 
@@ -67,8 +67,9 @@ def test_an_absent_flash_attn_is_sdpa_and_the_backend_is_set_once_at_build(flash
 
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # not installed: import raises ModuleNotFoundError
     assert resolve_attention_backend("auto", "cuda") == "sdpa"
-    with pytest.raises(AttentionBackendError, match="model.attn_backend=flash but flash-attn is not installed"):
-        resolve_attention_backend("flash", "cuda")
+    with pytest.raises(AttentionBackendError, match="model.attention=flash2 but flash-attn 2 .flash_attn. is not "
+                       "installed"):
+        resolve_attention_backend("flash2", "cuda")
     cfg = load_config(None, ["model.d_model=64", "model.n_heads=2", "model.n_core=1", "model.vocab_size=256",
                              "model.ve_gate_channels=16", "train.precision=fp32"])
     model, _ = build_model_and_optimizer(cfg, SingleProcessRuntime(torch.device("cpu")), torch.device("cpu"), False)
