@@ -27,16 +27,17 @@ class ShardData:
 
     def __init__(self, cfg: Config, dp_rank: int, dp_size: int, layout=None, pin: bool = False):
         from data_prep.loader import ShardLoader
-        from data_prep.manifest import read_manifest
 
         d = cfg.data
         self.cfg, self.dp_rank, self.dp_size = cfg, dp_rank, dp_size
-        self.manifest = read_manifest(d.shards)
+        self.source = shard_source(cfg)
+        self.manifest = self.source.manifest()
         self.replica = _replica_reader(layout)
-        self.loader = ShardLoader(d.shards, d.global_batch_size, dp_rank, dp_size, seed=cfg.train.seed,
+        self.loader = ShardLoader(self.source, d.global_batch_size, dp_rank, dp_size, seed=cfg.train.seed,
                                   verify=d.verify, on_corrupt=d.on_corrupt, prefetch=d.prefetch,
                                   select=rank_selection(cfg, dp_rank, dp_size), pin_memory=pin,
-                                  read_tokens=self.replica is None or self.replica.reads)
+                                  read_tokens=self.replica is None or self.replica.reads,
+                                  order=data_order(cfg), block_shards=d.block_shards, prefetch_steps=d.prefetch_steps)
         self.bytes_per_token = _bytes_per_token(self.manifest, "val")
         self._val = None
         self._ahead = None  # the training iterator whose first batch read_first_batch read
@@ -84,10 +85,15 @@ class ShardData:
             from data_prep.loader import validation_batches
 
             d = self.cfg.data
-            batches = validation_batches(d.shards, d.micro_batch_size * self.dp_size, self.dp_rank, self.dp_size,
+            batches = validation_batches(self.source, d.micro_batch_size * self.dp_size, self.dp_rank, self.dp_size,
                                          verify="none", on_corrupt=d.on_corrupt)
             self._val = list(itertools.islice(batches, d.val_batches))
         return self._val
+
+    def stream_stats(self) -> dict:
+        """This process's shard I/O so far: bytes_downloaded, downloads, hits, hit_ratio, retries, evicted (a
+        local directory: zeros and ratio 1) and shards_skipped (left out under data.on_corrupt=skip)."""
+        return {**self.source.stats(), "shards_skipped": len(self.loader.skipped)}
 
     def state_dict(self) -> dict:
         return self.loader.state_dict()
@@ -100,6 +106,23 @@ class ShardData:
         self.loader.close()
         if self.replica is not None:
             self.replica.close()
+
+
+def shard_source(cfg: Config):
+    """data.shards as a data_prep ShardSource: a local directory, or s3:// / http(s):// behind the node cache."""
+    from data_prep.sources import open_source
+    from data_prep.stores import RetryPolicy
+
+    d = cfg.data
+    return open_source(d.shards, d.cache_dir, d.cache_gib, d.s3_endpoint,
+                       RetryPolicy(attempts=d.retries, backoff_s=d.retry_backoff_s))
+
+
+def data_order(cfg: Config) -> str:
+    """data.order, or its default: blocks for streamed shards (few shards touched at a time), global locally."""
+    from data_prep.stores import is_remote
+
+    return cfg.data.order or ("blocks" if is_remote(cfg.data.shards) else "global")
 
 
 def rank_selection(cfg: Config, dp_rank: int, dp_size: int):

@@ -21,6 +21,7 @@ TRAIN_FIELDS = {
     "idle_fraction_loop": NUMBER, "useful_flops": NUMBER,
     "executed_flops": NUMBER, "mfu": NUMBER, "hfu": NUMBER, "time_data": NUMBER, "time_forward": NUMBER,
     "time_backward": NUMBER, "time_optimizer": NUMBER, "time_step": NUMBER,
+    "data_bytes_downloaded": int, "data_cache_hit_ratio": NUMBER,  # this rank's node-cache figures so far
 }
 VAL_FIELDS = {"kind": str, "step": int, "T": int, "val_loss": NUMBER, "val_bpb": NUMBER, "tokens": int}
 RESUME_FIELDS = {"kind": str, "step": int, "from": str}  # a job continued the run from a checkpoint at `step`

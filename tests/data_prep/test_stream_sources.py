@@ -1,0 +1,208 @@
+"""Streamed shards against real servers on 127.0.0.1 (moto's S3, a local HTTP server): the same global batches as
+the local directory under any dp, one download per shard per node, a bounded cache, atomic downloads, and the
+faults (resets/503s retried, a missing or altered object named in one error or skipped and counted, a store that
+stays down named after the retries)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data_prep.errors import CorruptShardError
+from data_prep.loader import ShardLoader
+from data_prep.local_servers import FileServer, S3Server
+from data_prep.manifest import read_manifest
+from data_prep.node_cache import ShardCache
+from data_prep.order import BlockOrder, GlobalOrder
+from data_prep.sources import StreamSource
+from data_prep.stores import HttpStore, RetryPolicy, StoreError
+
+G, STEPS, W = 12, 6, 4
+FAST = RetryPolicy(attempts=6, backoff_s=0.01, timeout_s=5.0)
+
+
+def global_row_ids(source_factory, dp: int, steps: int = STEPS, **kwargs) -> np.ndarray:
+    """[steps, G] row ids of the global batches, from dp loaders (rank shares concatenated in rank order)."""
+    shares = []
+    for rank in range(dp):
+        loader = ShardLoader(source_factory(), G, rank, dp, seed=5, order="blocks", block_shards=W, prefetch=0,
+                             **kwargs)
+        batches = iter(loader)
+        shares.append([next(batches)["row_id"].numpy() for _ in range(steps)])
+        loader.close()
+    return np.stack([np.concatenate([share[s] for share in shares]) for s in range(steps)])
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_shards):
+    s3 = S3Server()
+    s3_url = s3.put_dir(tiny_shards, "corpus", "tiny")
+    http = FileServer(tiny_shards)
+    yield s3, s3_url, http
+    http.close()
+    s3.close()
+
+
+def test_same_global_batches_from_local_s3_and_http_at_dp_1_and_2(servers, tiny_shards, tmp_path):
+    s3, s3_url, http = servers
+    local = global_row_ids(lambda: str(tiny_shards), 1)
+    for dp in (1, 2):
+        from_s3 = global_row_ids(lambda: StreamSource(s3_url, tmp_path / "s3", s3_endpoint=s3.endpoint,
+                                                      policy=FAST), dp)
+        from_http = global_row_ids(lambda: StreamSource(http.url, tmp_path / "http", policy=FAST), dp)
+        assert np.array_equal(from_s3, local) and np.array_equal(from_http, local), dp
+    # the tokens too, not only the ids
+    a = next(iter(ShardLoader(str(tiny_shards), G, seed=5, order="blocks", block_shards=W, prefetch=0)))
+    b = next(iter(ShardLoader(StreamSource(http.url, tmp_path / "http", policy=FAST), G, seed=5, order="blocks",
+                              block_shards=W, prefetch=0)))
+    assert np.array_equal(a["tokens"].numpy(), b["tokens"].numpy())
+
+
+def test_block_order_visits_every_row_once_per_epoch_and_touches_few_shards():
+    rows = np.array([7, 5, 9, 6, 8, 3, 7, 5, 6, 4])
+    order = BlockOrder(rows, seed=1, block_shards=3)
+    n = int(rows.sum())
+    visited, epochs = order.rows_at(np.arange(2 * n))
+    assert sorted(visited[:n]) == list(range(n)) and sorted(visited[n:]) == list(range(n))
+    assert not np.array_equal(visited[:n], visited[n:])  # each epoch its own order
+    assert np.array_equal(epochs, np.repeat([0, 1], n))
+    again, _ = BlockOrder(rows, seed=1, block_shards=3).rows_at(np.arange(n + 5, n - 5, -1))  # any order of asking
+    assert np.array_equal(again, visited[n - 4:n + 6][::-1])
+    shard_of = np.searchsorted(np.cumsum(rows), visited[:n], side="right")
+    # consecutive windows of 8 positions lie in one block of 3 shards (or straddle two blocks)
+    assert max(len(set(shard_of[i:i + 8])) for i in range(n - 8)) <= 6
+    full = GlobalOrder(n, seed=1).rows_at(np.arange(n))[0]
+    full_shards = np.searchsorted(np.cumsum(rows), full, side="right")
+    assert max(len(set(full_shards[i:i + 8])) for i in range(n - 8)) > 6
+
+
+def test_four_ranks_of_a_node_download_each_shard_once(tiny_shards, tmp_path):
+    server = FileServer(tiny_shards, stall_s=0.05)  # slow enough that the ranks ask at the same time
+    try:
+        entries = read_manifest(tiny_shards)["splits"]["train"]["shards"][:3]
+        caches = [ShardCache(HttpStore(server.url, FAST), tmp_path, policy=FAST) for _ in range(4)]
+        paths = [[] for _ in caches]
+        threads = [threading.Thread(target=lambda c=c, p=p: p.extend(c.fetch(e) for e in entries))
+                   for c, p in zip(caches, paths)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [server.hits[e["name"]] for e in entries] == [1, 1, 1]
+        assert sum(c.stats.downloads for c in caches) == 3 and sum(c.stats.hits for c in caches) == 9
+        assert all(p == paths[0] for p in paths)
+    finally:
+        server.close()
+
+
+def test_bounded_cache_evicts_least_recently_used_and_keeps_the_stream(servers, tiny_shards, tmp_path):
+    _, _, http = servers
+    entries = read_manifest(tiny_shards)["splits"]["train"]["shards"]
+    bound = 2.5 * max(e["size"] for e in entries) / 2 ** 30  # room for two shards
+    source = StreamSource(http.url, tmp_path, cache_gib=bound, policy=FAST)
+    loader = ShardLoader(source, G, seed=5, order="blocks", block_shards=W, prefetch=0)
+    batches = iter(loader)
+    ids = []
+    for _ in range(40):
+        ids.append(next(batches)["row_id"].numpy())
+        assert source.cache.used_bytes() <= bound * 2 ** 30
+    assert source.cache.stats.evicted > 0
+    assert np.array_equal(np.stack(ids), global_row_ids(lambda: str(tiny_shards), 1, steps=40))
+    loader.close()
+
+
+KILLED_DOWNLOAD = """
+import sys
+from data_prep.node_cache import ShardCache
+from data_prep.stores import HttpStore, RetryPolicy
+from data_prep.manifest import read_manifest
+entry = read_manifest(sys.argv[1])["splits"]["train"]["shards"][0]
+print("started", flush=True)
+ShardCache(HttpStore(sys.argv[2], RetryPolicy()), sys.argv[3]).fetch(entry)
+"""
+
+
+def test_sigkill_during_a_download_leaves_no_cache_entry(tiny_shards, tmp_path):
+    server = FileServer(tiny_shards, stall_s=30)
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", KILLED_DOWNLOAD, str(tiny_shards), server.url,
+                                 str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+        assert proc.stdout.readline().strip() == "started"
+        entry = read_manifest(tiny_shards)["splits"]["train"]["shards"][0]
+        for _ in range(200):  # until half the body has arrived
+            parts = list(tmp_path.rglob(f".{entry['name']}.part-*"))
+            if parts and parts[0].stat().st_size > 0:
+                break
+            time.sleep(0.05)
+        assert parts, "the download never started"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert not list(tmp_path.rglob(entry["name"])), "a partial download is visible under the shard's name"
+    finally:
+        server.close()
+    fast = FileServer(tiny_shards)
+    try:
+        cache = ShardCache(HttpStore(fast.url, FAST), tmp_path, policy=FAST)
+        assert not list(cache.dir.glob(".*.part-*"))  # the dead process's temporary file is gone
+        path = cache.fetch(entry)
+        assert path.read_bytes() == (Path(tiny_shards) / entry["name"]).read_bytes()
+    finally:
+        fast.close()
+
+
+def test_resets_and_503s_on_a_fifth_of_requests_are_retried(tiny_shards, tmp_path):
+    server = FileServer(tiny_shards, fail_rate=0.2, seed=3)
+    try:
+        ids = global_row_ids(lambda: StreamSource(server.url, tmp_path, policy=FAST), 2)
+        assert server.failures > 0
+        assert np.array_equal(ids, global_row_ids(lambda: str(tiny_shards), 1))
+    finally:
+        server.close()
+
+
+def test_missing_or_altered_object_is_one_clear_error_or_a_counted_skip(tiny_shards, tmp_path):
+    first = global_row_ids(lambda: str(tiny_shards), 1, steps=1)[0]
+    entries = read_manifest(tiny_shards)["splits"]["train"]["shards"]
+    def shard_of(row):
+        return next(e["name"] for e in entries if e["first_row"] <= row < e["first_row"] + e["rows"])
+
+    bad, missing = shard_of(first[0]), shard_of(first[-1])
+    assert bad != missing
+    server = FileServer(tiny_shards, flip={bad})
+    try:
+        loader = ShardLoader(StreamSource(server.url, tmp_path / "a", policy=FAST), G, seed=5, order="blocks",
+                             block_shards=W, prefetch=0)
+        with pytest.raises(CorruptShardError, match=f"{bad}.*{server.url}/{bad}.*checksum mismatch"):
+            next(iter(loader))
+        assert not list((tmp_path / "a").rglob(bad))  # never visible in the cache
+        server.flip, server.missing = set(), {missing}
+        with pytest.raises(CorruptShardError, match=f"{missing}: missing from the store \\({server.url}/{missing}"):
+            next(iter(ShardLoader(StreamSource(server.url, tmp_path / "b", policy=FAST), G, seed=5,
+                                  order="blocks", block_shards=W, prefetch=0)))
+        server.flip = {bad}
+        skipping = [ShardLoader(StreamSource(server.url, tmp_path / "c", policy=FAST), G, rank, 2, seed=5,
+                                order="blocks", block_shards=W, prefetch=0, on_corrupt="skip") for rank in range(2)]
+        batches = [next(iter(loader)) for loader in skipping]
+        ids = np.concatenate([b["row_id"].numpy() for b in batches])
+        assert len(ids) == G and not set(ids) & {r for e in entries if e["name"] in (bad, missing)
+                                                 for r in range(e["first_row"], e["first_row"] + e["rows"])}
+        counted = {s["shard"] for loader in skipping for s in loader.skipped}
+        assert counted == {bad, missing}
+    finally:
+        server.close()
+
+
+def test_store_down_longer_than_the_retries_is_an_error_naming_the_url(tiny_shards, tmp_path):
+    server = FileServer(tiny_shards)
+    url = server.url
+    server.down()
+    with pytest.raises(StoreError, match=f"{url}/manifest.json: failed 3 times in a row.*Connection"):
+        StreamSource(url, tmp_path, policy=RetryPolicy(attempts=3, backoff_s=0.01)).manifest()
