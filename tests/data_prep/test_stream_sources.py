@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_prep.errors import CorruptShardError
+from data_prep.errors import CorruptShardError, ResumeStateError
 from data_prep.loader import ShardLoader
 from data_prep.local_servers import FileServer, S3Server
 from data_prep.manifest import read_manifest
@@ -206,3 +206,41 @@ def test_store_down_longer_than_the_retries_is_an_error_naming_the_url(tiny_shar
     server.down()
     with pytest.raises(StoreError, match=f"{url}/manifest.json: failed 3 times in a row.*Connection"):
         StreamSource(url, tmp_path, policy=RetryPolicy(attempts=3, backoff_s=0.01)).manifest()
+
+
+def test_resume_at_step_20_under_another_dp_gives_the_same_rows_per_sample_index(servers, tiny_shards, tmp_path):
+    _, _, http = servers
+
+    def loaders(dp, cache):
+        return [ShardLoader(StreamSource(http.url, tmp_path / cache, policy=FAST), G, rank, dp, seed=5,
+                            order="blocks", block_shards=W, prefetch=2) for rank in range(dp)]
+
+    straight = {}
+    for loader in loaders(1, "straight"):
+        batches = iter(loader)
+        for _ in range(30):
+            b = next(batches)
+            straight.update(zip(b["sample_index"].tolist(), b["row_id"].tolist()))
+        loader.close()
+    first = loaders(2, "first")
+    for loader in first:
+        batches = iter(loader)
+        for _ in range(20):
+            next(batches)
+    state = first[0].state_dict()
+    assert state == first[1].state_dict() and state["step"] == 20
+    for loader in first:
+        loader.close()
+    resumed = {}
+    for loader in loaders(4, "resumed"):
+        loader.load_state_dict(state)
+        batches = iter(loader)
+        for _ in range(10):
+            b = next(batches)
+            resumed.update(zip(b["sample_index"].tolist(), b["row_id"].tolist()))
+        loader.close()
+    assert sorted(resumed) == list(range(20 * G, 30 * G))
+    assert resumed == {i: straight[i] for i in resumed}
+    other = ShardLoader(str(tiny_shards), G, seed=5, order="blocks", block_shards=2)  # another order: refused
+    with pytest.raises(ResumeStateError, match="dataset: saved '[^']*/blocks4', now '[^']*/blocks2'"):
+        other.load_state_dict(state)
