@@ -139,6 +139,8 @@ class Config:
     def _validate_data_dir(self) -> None:
         if self.data.shards is None:
             return
+        if str(self.data.shards).startswith(REMOTE_SHARDS):  # its manifest is checked when read (train/data.py)
+            return
         shards = Path(self.data.shards)
         manifest = shards / "manifest.json"
         if not manifest.is_file():
@@ -176,6 +178,9 @@ class Config:
     def with_precision(self, precision: str) -> "Config":
         """A copy with train.precision set (how `auto` is resolved once the device is known)."""
         return replace(self, train=replace(self.train, precision=precision))
+
+
+REMOTE_SHARDS = ("s3://", "http://", "https://")
 
 
 def _manifest_vocab_size(info: dict) -> int | None:

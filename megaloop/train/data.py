@@ -32,6 +32,8 @@ class ShardData:
         self.cfg, self.dp_rank, self.dp_size = cfg, dp_rank, dp_size
         self.source = shard_source(cfg)
         self.manifest = self.source.manifest()
+        if self.source.streams:  # a local manifest was checked with the config (megaloop.config.tree)
+            _check_remote_manifest(cfg, self.manifest)
         self.replica = _replica_reader(layout)
         self.loader = ShardLoader(self.source, d.global_batch_size, dp_rank, dp_size, seed=cfg.train.seed,
                                   verify=d.verify, on_corrupt=d.on_corrupt, prefetch=d.prefetch,
@@ -116,6 +118,14 @@ def shard_source(cfg: Config):
     d = cfg.data
     return open_source(d.shards, d.cache_dir, d.cache_gib, d.s3_endpoint,
                        RetryPolicy(attempts=d.retries, backoff_s=d.retry_backoff_s))
+
+
+def _check_remote_manifest(cfg: Config, manifest: dict) -> None:
+    """The checks the config makes of a local manifest, for one read from a store: vocabulary and seq_len."""
+    cfg.model.check_vocab_covers(manifest["tokenizer"]["vocab_size"], f"{cfg.data.shards}/manifest.json")
+    if manifest["seq_len"] != cfg.model.seq_len:
+        raise ConfigError("model.seq_len", cfg.model.seq_len, f"the shards at {cfg.data.shards} hold rows of "
+                          f"seq_len={manifest['seq_len']}; set model.seq_len={manifest['seq_len']}")
 
 
 def data_order(cfg: Config) -> str:
