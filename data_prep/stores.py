@@ -91,6 +91,9 @@ class ByteStore(Protocol):
     def upload(self, path: Path, name: str) -> None:
         """Store a local file as object `name` (one attempt)."""
 
+    def delete(self, name: str) -> None:
+        """Remove object `name` if it exists (one attempt)."""
+
 
 class LocalStore:
     """A directory."""
@@ -121,6 +124,9 @@ class LocalStore:
         tmp = target.with_name(f".{target.name}.part-{os.getpid()}")
         shutil.copyfile(path, tmp)
         os.replace(tmp, target)
+
+    def delete(self, name: str) -> None:
+        (self.root / name).unlink(missing_ok=True)
 
 
 class HttpStore:
@@ -164,6 +170,9 @@ class HttpStore:
         return written
 
     def upload(self, path: Path, name: str) -> None:
+        self.delete(name)
+
+    def delete(self, name: str) -> None:
         raise StoreError(self.object_url(name), "HTTP stores are read-only here",
                          "upload to s3://bucket/prefix or a local directory, and serve that over HTTP")
 
@@ -236,6 +245,9 @@ class S3Store:
                 self.client.put_object(Bucket=self.bucket, Key=self.key(name), Body=handle)
 
         self._call(name, put)
+
+    def delete(self, name: str) -> None:
+        self._call(name, lambda: self.client.delete_object(Bucket=self.bucket, Key=self.key(name)))
 
 
 class _Buffer:

@@ -244,3 +244,39 @@ def test_resume_at_step_20_under_another_dp_gives_the_same_rows_per_sample_index
     other = ShardLoader(str(tiny_shards), G, seed=5, order="blocks", block_shards=2)  # another order: refused
     with pytest.raises(ResumeStateError, match="dataset: saved '[^']*/blocks4', now '[^']*/blocks2'"):
         other.load_state_dict(state)
+
+
+def s3_objects(s3, bucket: str, prefix: str) -> dict[str, bytes]:
+    client = s3.client()
+    listed = client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])
+    return {o["Key"][len(prefix) + 1:]: client.get_object(Bucket=bucket, Key=o["Key"])["Body"].read() for o in listed}
+
+
+def test_upload_gives_the_same_bytes_and_an_interrupted_one_leaves_no_manifest(servers, tiny_shards, monkeypatch):
+    from data_prep.cli import main
+    from data_prep.stores import S3Store
+
+    s3, _, _ = servers
+    s3.client().create_bucket(Bucket="uploads")
+    assert main(["upload", str(tiny_shards), "s3://uploads/done", "--s3-endpoint", s3.endpoint, "--quiet"]) == 0
+    uploaded = s3_objects(s3, "uploads", "done")
+    local = {p.relative_to(tiny_shards).as_posix(): p.read_bytes() for p in Path(tiny_shards).rglob("*")
+             if p.is_file()}
+    assert uploaded == local
+
+    order, real = [], S3Store.upload
+
+    def failing(self, path, name):
+        order.append(name)
+        if len(order) == 5:
+            raise StoreError(self.object_url(name), "injected failure")
+        real(self, path, name)
+
+    monkeypatch.setattr(S3Store, "upload", failing)
+    assert main(["upload", str(tiny_shards), "s3://uploads/done", "--s3-endpoint", s3.endpoint, "--quiet"]) == 2
+    assert "manifest.json" not in s3_objects(s3, "uploads", "done")  # the earlier upload's manifest is gone too
+    monkeypatch.setattr(S3Store, "upload", real)
+    order.clear()
+    monkeypatch.setattr(S3Store, "upload", lambda self, path, name: (order.append(name), real(self, path, name)))
+    assert main(["upload", str(tiny_shards), "s3://uploads/done", "--s3-endpoint", s3.endpoint, "--quiet"]) == 0
+    assert order[-1] == "manifest.json" and s3_objects(s3, "uploads", "done") == local
