@@ -64,8 +64,8 @@ def rank_worker(url: str, cache: str, rank: int, args, out) -> None:
     batches = iter(loader)
     for _ in range(args.steps):
         next(batches)
+    loader.close()  # waits for the shard prefetches under way, so that their downloads are counted
     out.put(loader.dataset.source.stats()["downloads"])
-    loader.close()
 
 
 def main(argv=None) -> int:
