@@ -32,8 +32,8 @@ ROOM_LOCK = ".room.lock"  # held while a download makes room and reserves it
 
 
 def default_cache_dir() -> Path:
-    """Node-local temporary storage: $MEGALOOP_CACHE_DIR, else $TMPDIR/megaloop-shards."""
-    return Path(os.environ.get("MEGALOOP_CACHE_DIR") or Path(tempfile.gettempdir()) / "megaloop-shards")
+    """Node-local temporary storage: $MEGALOOP_SHARD_CACHE, else $TMPDIR/megaloop-shards."""
+    return Path(os.environ.get("MEGALOOP_SHARD_CACHE") or Path(tempfile.gettempdir()) / "megaloop-shards")
 
 
 class CacheStats:

@@ -77,7 +77,7 @@ class DataConfig:
     #                           rows shuffled within one; touches few shards at a time). None: blocks for s3:// and
     #                           http(s):// shards, global for a local directory
     block_shards: int = 8
-    cache_dir: str | None = None  # streamed shards' node cache (None: $MEGALOOP_CACHE_DIR or $TMPDIR/megaloop-shards)
+    cache_dir: str | None = None  # streamed shards' node cache (None: $MEGALOOP_SHARD_CACHE or $TMPDIR/megaloop-shards)
     cache_gib: float = 64.0  # its bound; the least recently used shards are deleted to stay under it
     s3_endpoint: str | None = None  # an S3-compatible store's URL (None: AWS_ENDPOINT_URL(_S3) or AWS itself)
     prefetch_steps: int = 8  # streamed shards of the next prefetch_steps batches are downloaded ahead
