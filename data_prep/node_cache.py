@@ -21,6 +21,7 @@ import hashlib
 import os
 import tempfile
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -85,9 +86,12 @@ class ShardCache:
                 self.stats.add(hits=1)
                 return final
             tmp = final.with_name(f".{final.name}{PART}{os.getpid()}-{threading.get_ident()}-{entry['size']}")
-            with self._locked(ROOM_LOCK):  # room for it, reserved by its temporary file (others count it)
-                self._make_room(entry)
-                tmp.touch()
+            while True:  # room for it, reserved by its temporary file (the other downloaders count it)
+                with self._locked(ROOM_LOCK):
+                    if self._make_room(entry):
+                        tmp.touch()
+                        break
+                time.sleep(0.05)  # the room is reserved by downloads under way: they end, then count as shards
             written = self._download(entry, final, tmp)
         self.stats.add(downloads=1, bytes_downloaded=written)
         return final
@@ -114,9 +118,11 @@ class ShardCache:
             tmp.unlink(missing_ok=True)
         return entry["size"]
 
-    def _make_room(self, entry: dict) -> None:
+    def _make_room(self, entry: dict) -> bool:
+        """Delete least recently used shards until `entry` fits beside the rest and the downloads under way;
+        False when those downloads alone leave too little room (the caller waits for them)."""
         if self.cache_bytes is None:
-            return
+            return True
         if entry["size"] > self.cache_bytes:
             raise DataPrepError(f"shard {entry['name']} ({entry['size']} bytes) is larger than data.cache_gib "
                                 f"({self.cache_bytes / 2 ** 30:.3f} GiB)", "raise data.cache_gib")
@@ -139,6 +145,7 @@ class ShardCache:
             path.unlink(missing_ok=True)
             used -= size
             self.stats.add(evicted=1)
+        return used + entry["size"] <= self.cache_bytes
 
     def used_bytes(self) -> int:
         """Bytes of the shards in the cache now (complete ones, and what downloads under way have written)."""
