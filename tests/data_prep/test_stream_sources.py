@@ -252,19 +252,21 @@ def s3_objects(s3, bucket: str, prefix: str) -> dict[str, bytes]:
     return {o["Key"][len(prefix) + 1:]: client.get_object(Bucket=bucket, Key=o["Key"])["Body"].read() for o in listed}
 
 
-def test_upload_gives_the_same_bytes_and_an_interrupted_one_leaves_no_manifest(servers, tiny_shards, monkeypatch):
+def test_upload_gives_the_same_bytes_and_an_interrupted_one_leaves_no_manifest(servers, tiny_shards, tmp_path,
+                                                                                 monkeypatch):
     from data_prep.cli import main
-    from data_prep.stores import S3Store
+    from data_prep.stores import LocalStore
 
     s3, _, _ = servers
     s3.client().create_bucket(Bucket="uploads")
     assert main(["upload", str(tiny_shards), "s3://uploads/done", "--s3-endpoint", s3.endpoint, "--quiet"]) == 0
-    uploaded = s3_objects(s3, "uploads", "done")
     local = {p.relative_to(tiny_shards).as_posix(): p.read_bytes() for p in Path(tiny_shards).rglob("*")
              if p.is_file()}
-    assert uploaded == local
+    assert s3_objects(s3, "uploads", "done") == local
 
-    order, real = [], S3Store.upload
+    # the order and the interruption are the store-independent part: shown on a directory target
+    target = tmp_path / "target"
+    order, real = [], LocalStore.upload
 
     def failing(self, path, name):
         order.append(name)
@@ -272,11 +274,12 @@ def test_upload_gives_the_same_bytes_and_an_interrupted_one_leaves_no_manifest(s
             raise StoreError(self.object_url(name), "injected failure")
         real(self, path, name)
 
-    monkeypatch.setattr(S3Store, "upload", failing)
-    assert main(["upload", str(tiny_shards), "s3://uploads/done", "--s3-endpoint", s3.endpoint, "--quiet"]) == 2
-    assert "manifest.json" not in s3_objects(s3, "uploads", "done")  # the earlier upload's manifest is gone too
-    monkeypatch.setattr(S3Store, "upload", real)
+    assert main(["upload", str(tiny_shards), str(target), "--quiet"]) == 0
+    monkeypatch.setattr(LocalStore, "upload", failing)
+    assert main(["upload", str(tiny_shards), str(target), "--quiet"]) == 2
+    assert not (target / "manifest.json").exists()  # the earlier upload's manifest is gone too
     order.clear()
-    monkeypatch.setattr(S3Store, "upload", lambda self, path, name: (order.append(name), real(self, path, name)))
-    assert main(["upload", str(tiny_shards), "s3://uploads/done", "--s3-endpoint", s3.endpoint, "--quiet"]) == 0
-    assert order[-1] == "manifest.json" and s3_objects(s3, "uploads", "done") == local
+    monkeypatch.setattr(LocalStore, "upload", lambda self, path, name: (order.append(name), real(self, path, name)))
+    assert main(["upload", str(tiny_shards), str(target), "--quiet"]) == 0
+    assert order[-1] == "manifest.json" and len(order) == len(local)
+    assert {p.relative_to(target).as_posix(): p.read_bytes() for p in target.rglob("*") if p.is_file()} == local
