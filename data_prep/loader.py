@@ -35,6 +35,7 @@ import torch
 
 from .errors import DataPrepError, ResumeStateError
 from .manifest import manifest_fingerprint
+from .mixture import MixedDataset, MixOrder
 from .order import make_order, rank_slice
 from .shard_reader import ShardDataset
 
@@ -55,7 +56,8 @@ class ShardLoader:
 
     Args:
         shard_dir: directory written by `python -m data_prep shards`, s3://bucket/prefix or http(s):// URL of one
-            (streamed through the node cache, data_prep.sources), or a data_prep.sources.ShardSource.
+            (streamed through the node cache, data_prep.sources), a data_prep.sources.ShardSource, or a list of
+            these (several corpora mixed by `mix`).
         global_batch_size: G, rows per optimizer step over all data-parallel ranks (a multiple of dp_size).
         dp_rank, dp_size: this rank and the number of data-parallel ranks.
         seed: selects the sample order (with the epoch).
@@ -75,24 +77,34 @@ class ShardLoader:
         order: "global" (a full permutation of the rows per epoch) or "blocks" (block-local: shards in groups of
             block_shards, rows shuffled within a group; data_prep.order.BlockOrder). Part of the resume state.
         prefetch_steps: a streamed source downloads the shards of this rank's next prefetch_steps batches ahead.
+        mix: when shard_dir is a list of corpora, their weights (None: proportional to their rows); each global
+            batch holds round(w x G) rows of each (data_prep.mixture). Part of the resume state.
     """
 
     def __init__(self, shard_dir, global_batch_size: int, dp_rank: int = 0, dp_size: int = 1, seed: int = 0,
                  split: str = "train", verify: str = "fast", on_corrupt: str = "error", prefetch: int = 2,
                  tokenizer_hash: str | None = None, select=None, pin_memory: bool = False, prepare=None,
-                 read_tokens: bool = True, order: str = "global", block_shards: int = 8, prefetch_steps: int = 8):
+                 read_tokens: bool = True, order: str = "global", block_shards: int = 8, prefetch_steps: int = 8,
+                 mix=None):
         _check_layout(global_batch_size, dp_rank, dp_size)
         self.pin_memory, self.prepare = pin_memory, prepare
-        self.dataset = ShardDataset(shard_dir, split, verify, on_corrupt, tokenizer_hash)
+        mixed = isinstance(shard_dir, list | tuple)
+        self.dataset = (MixedDataset([ShardDataset(d, split, verify, on_corrupt, tokenizer_hash) for d in shard_dir])
+                        if mixed else ShardDataset(shard_dir, split, verify, on_corrupt, tokenizer_hash))
         if len(self.dataset) == 0:
             raise DataPrepError(f"split {split!r} of {shard_dir} has no rows left to read "
                                 f"(skipped: {self.dataset.skipped})", "re-create the shards")
         self.global_batch_size, self.dp_rank, self.dp_size = global_batch_size, dp_rank, dp_size
         self.local_batch_size = global_batch_size // dp_size
         self.seed, self.prefetch, self.select, self.read_tokens = seed, prefetch, select, read_tokens
-        self.order = make_order(order, self.dataset.shard_rows, seed, block_shards)
-        self.dataset_id = (manifest_fingerprint(self.dataset.manifest) + f"/{split}/{len(self.dataset)}"
-                           + self.order.tag)
+        if mixed:
+            self.order = MixOrder(self.dataset, mix if mix is not None else [len(p) for p in self.dataset.parts],
+                                  global_batch_size, seed, order, block_shards)
+            fingerprint = self.dataset.fingerprint
+        else:
+            self.order = make_order(order, self.dataset.shard_rows, seed, block_shards)
+            fingerprint = manifest_fingerprint(self.dataset.manifest)
+        self.dataset_id = fingerprint + f"/{split}/{len(self.dataset)}" + self.order.tag
         self.prefetch_steps, self._fetched_upto = prefetch_steps, 0
         self._step = 0
         self._active = None

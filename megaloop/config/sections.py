@@ -64,9 +64,12 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     """Where batches come from. shards: a directory written by `python -m data_prep shards`, or the s3://bucket/prefix
-    or http(s):// URL it was uploaded to (streamed through a node cache; data_prep/sources.py)."""
+    or http(s):// URL it was uploaded to (streamed through a node cache; data_prep/sources.py), or a list of these
+    (several corpora, each global batch holding round(mix_c x global_batch_size) rows of corpus c;
+    data_prep/mixture.py)."""
 
-    shards: str | None = None
+    shards: str | list[str] | None = None
+    mix: list[float] | None = None  # weights of the corpora of a list data.shards (None: proportional to their rows)
     micro_batch_size: int = 8
     global_batch_size: int = 32
     verify: str = "fast"  # full | fast | none
@@ -90,6 +93,13 @@ class DataConfig:
                 raise ConfigError(f"data.{name}", getattr(self, name), "must be >= 1")
         if self.order is not None:
             check_choice("data.order", self.order, ("global", "blocks"))
+        if isinstance(self.shards, list) and not self.shards:
+            raise ConfigError("data.shards", self.shards, "an empty list; give one or more shard directories or URLs")
+        if self.mix is not None:
+            corpora = len(self.shards) if isinstance(self.shards, list) else 1
+            if len(self.mix) != corpora or min(self.mix) < 0 or not sum(self.mix) > 0:
+                raise ConfigError("data.mix", self.mix, f"must hold one weight >= 0 per corpus of data.shards "
+                                  f"({corpora}), with a positive sum, e.g. data.mix=[0.7,0.3]")
         if not self.cache_gib > 0:
             raise ConfigError("data.cache_gib", self.cache_gib, "must be > 0 (GiB of node-local disk for shards)")
         if self.prefetch_steps < 0 or self.retry_backoff_s < 0:

@@ -283,3 +283,35 @@ def test_upload_gives_the_same_bytes_and_an_interrupted_one_leaves_no_manifest(s
     assert main(["upload", str(tiny_shards), str(target), "--quiet"]) == 0
     assert order[-1] == "manifest.json" and len(order) == len(local)
     assert {p.relative_to(target).as_posix(): p.read_bytes() for p in target.rglob("*") if p.is_file()} == local
+
+
+def test_a_mix_of_corpora_gives_each_its_quota_per_batch_under_any_dp(servers, tiny_shards, tmp_path):
+    from data_prep.mixture import mix_quotas
+
+    assert mix_quotas([0.7, 0.3], 12).tolist() == [8, 4] and mix_quotas([1, 1, 1], 10).tolist() == [4, 3, 3]
+    _, _, http = servers
+    n = read_manifest(tiny_shards)["splits"]["train"]["rows"]
+
+    def ids(dp, steps=30, start=None):
+        out = []
+        for rank in range(dp):
+            corpora = [str(tiny_shards), StreamSource(http.url, tmp_path / f"mix{dp}-{rank}", policy=FAST)]
+            loader = ShardLoader(corpora, G, rank, dp, seed=2, mix=[3, 1], order="blocks", block_shards=W,
+                                 prefetch=0)
+            if start is not None:
+                loader.load_state_dict(start)
+            batches = iter(loader)
+            out.append([next(batches)["row_id"].numpy() for _ in range(steps)])
+            state = loader.state_dict()
+            loader.close()
+        return np.stack([np.concatenate([o[s] for o in out]) for s in range(steps)]), state
+
+    one, _ = ids(1)
+    assert ((one < n).sum(axis=1) == 9).all()  # 3:1 of 12 rows, every batch
+    for part in (one[one < n], one[one >= n] - n):  # each corpus: distinct rows (30 steps < an epoch of either)
+        assert len(set(part.tolist())) == part.size
+    two, _ = ids(2)
+    assert np.array_equal(one, two)
+    _, state = ids(2, steps=10)
+    resumed, _ = ids(1, steps=20, start=state)
+    assert np.array_equal(resumed, one[10:])
