@@ -168,6 +168,14 @@ def test_resets_and_503s_on_a_fifth_of_requests_are_retried(tiny_shards, tmp_pat
         server.close()
 
 
+def test_s3_connections_reset_on_a_fifth_of_requests_are_retried(servers, tiny_shards, tmp_path):
+    s3, s3_url, _ = servers
+    proxy = s3.fault_proxy(reset_rate=0.2, seed=4)
+    ids = global_row_ids(lambda: StreamSource(s3_url, tmp_path, s3_endpoint=proxy.endpoint, policy=FAST), 2)
+    assert proxy.resets > 0
+    assert np.array_equal(ids, global_row_ids(lambda: str(tiny_shards), 1))
+
+
 def test_missing_or_altered_object_is_one_clear_error_or_a_counted_skip(tiny_shards, tmp_path):
     first = global_row_ids(lambda: str(tiny_shards), 1, steps=1)[0]
     entries = read_manifest(tiny_shards)["splits"]["train"]["shards"]
