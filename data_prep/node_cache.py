@@ -1,8 +1,8 @@
 """The node cache of streamed shards: bounded, least-recently-used eviction, one download per shard per node.
 
-Layout: CACHE_DIR/<store key>/<shard name>, where the store key is a hash of the store's URL (two datasets never
-share entries). A shard becomes visible only complete and verified: it is downloaded to a temporary name
-(.NAME.part-PID-THREAD-SIZE), its size and sha256 are compared with the manifest, then it is renamed into place (atomic
+Layout: CACHE_DIR/<store key>/<sha256[:16]>-<shard name>, where the store key is a hash of the store's URL and
+the file name carries the shard's checksum from the manifest (a re-uploaded dataset never meets a stale copy). A shard becomes visible only complete and verified: it is downloaded to a temporary name
+(.FILE.part-PID-THREAD-SIZE), its size and sha256 are compared with the manifest, then it is renamed into place (atomic
 on one file system). A killed download leaves only a .part file, which no reader opens and the next cache on the
 node deletes (its process is gone).
 
@@ -28,7 +28,7 @@ from pathlib import Path
 from .errors import CorruptShardError, DataPrepError
 from .stores import ByteStore, RetryPolicy, StoreError, retrying
 
-PART = ".part-"  # .NAME.part-PID-THREAD-SIZE: a download under way (SIZE: the bytes it reserves)
+PART = ".part-"  # .FILE.part-PID-THREAD-SIZE: a download under way (SIZE: the bytes it reserves)
 ROOM_LOCK = ".room.lock"  # held while a download makes room and reserves it
 
 
@@ -73,7 +73,9 @@ class ShardCache:
         self._remove_dead_parts()
 
     def path(self, entry: dict) -> Path:
-        return self.dir / entry["name"]
+        """Where shard `entry` lives in the cache: named by its sha256 too, so a dataset re-uploaded under the same
+        URL with other content never meets a stale copy."""
+        return self.dir / f"{entry['sha256'][:16]}-{entry['name']}"
 
     def fetch(self, entry: dict) -> Path:
         """The verified local copy of shard `entry` (manifest entry: name, size, sha256), downloading it once."""
@@ -81,7 +83,7 @@ class ShardCache:
         if self._touch(final):
             self.stats.add(hits=1)
             return final
-        with self._locked(f"{entry['name']}.lock"):
+        with self._locked(f"{final.name}.lock"):
             if self._touch(final):  # another rank of this node downloaded it meanwhile
                 self.stats.add(hits=1)
                 return final
