@@ -21,7 +21,6 @@ import hashlib
 import os
 import tempfile
 import threading
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -70,6 +69,7 @@ class ShardCache:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.cache_bytes = cache_bytes
         self.stats = CacheStats()
+        self.stop = threading.Event()  # set when the reader closes: retries and waits for room end
         self._remove_dead_parts()
 
     def path(self, entry: dict) -> Path:
@@ -93,7 +93,9 @@ class ShardCache:
                     if self._make_room(entry):
                         tmp.touch()
                         break
-                time.sleep(0.05)  # the room is reserved by downloads under way: they end, then count as shards
+                if self.stop.wait(0.05):  # the room is reserved by downloads under way: they end, then count
+                    raise StoreError(self.store.object_url(entry["name"]), "the reader closed before the object "
+                                     "arrived")
             written = self._download(entry, final, tmp)
         self.stats.add(downloads=1, bytes_downloaded=written)
         return final
@@ -109,7 +111,7 @@ class ShardCache:
                 return written
 
         try:
-            written = retrying(attempt, url, self.policy, on_retry=lambda: self.stats.add(retries=1))
+            written = retrying(attempt, url, self.policy, on_retry=lambda: self.stats.add(retries=1), stop=self.stop)
             problem = _problem(written, entry)
             if problem:
                 raise CorruptShardError(entry["name"], f"downloaded from {url}: {problem}",

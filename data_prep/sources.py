@@ -138,6 +138,8 @@ class StreamSource:
         return self.cache.stats.as_dict()
 
     def close(self) -> None:
+        """Stop the downloads: no new attempt starts (one under way ends within the store's timeout)."""
+        self.cache.stop.set()
         with self._lock:
             for future in self._pending.values():
                 future.cancel()

@@ -17,7 +17,7 @@ import os
 import random
 import shutil
 import socket
-import time
+import threading
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -57,9 +57,14 @@ class RetryPolicy:
         return sum(min(self.backoff_s * 2 ** i, self.max_backoff_s) for i in range(self.attempts - 1))
 
 
-def retrying(call: Callable, url: str, policy: RetryPolicy, on_retry: Callable | None = None):
-    """call() with retries on TransientError; a StoreError naming `url` once the attempts are used up."""
+def retrying(call: Callable, url: str, policy: RetryPolicy, on_retry: Callable | None = None,
+             stop: threading.Event | None = None):
+    """call() with retries on TransientError; a StoreError naming `url` once the attempts are used up. `stop` set
+    (the reader is closing) ends the retries at once."""
+    stop = stop or threading.Event()
     for attempt in range(policy.attempts):
+        if stop.is_set():
+            raise StoreError(url, "the reader closed before the object arrived")
         try:
             return call()
         except TransientError as err:
@@ -68,7 +73,7 @@ def retrying(call: Callable, url: str, policy: RetryPolicy, on_retry: Callable |
                 on_retry()
             if attempt + 1 < policy.attempts:
                 wait = min(policy.backoff_s * 2 ** attempt, policy.max_backoff_s)
-                time.sleep(wait * (1 + 0.25 * random.random()))
+                stop.wait(wait * (1 + 0.25 * random.random()))
     raise StoreError(url, f"failed {policy.attempts} times in a row (last: {last})",
                      "check that the store is reachable (endpoint, network, credentials); raise data.retries or "
                      "data.retry_backoff_s to wait longer for a store that recovers")
