@@ -131,6 +131,7 @@ ShardCache(HttpStore(sys.argv[2], RetryPolicy()), sys.argv[3]).fetch(entry)
 
 def test_sigkill_during_a_download_leaves_no_cache_entry(tiny_shards, tmp_path):
     server = FileServer(tiny_shards, stall_s=30)
+    proc = None
     try:
         proc = subprocess.Popen([sys.executable, "-c", KILLED_DOWNLOAD, str(tiny_shards), server.url,
                                  str(tmp_path)], stdout=subprocess.PIPE, text=True,
@@ -147,6 +148,9 @@ def test_sigkill_during_a_download_leaves_no_cache_entry(tiny_shards, tmp_path):
         proc.wait()
         assert not list(tmp_path.rglob(f"*{entry['name']}")), "a partial download is visible under the shard's name"
     finally:
+        if proc is not None and proc.poll() is None:  # the test failed before the kill: leave no process behind
+            proc.kill()
+            proc.wait()
         server.close()
     fast = FileServer(tiny_shards)
     try:
