@@ -208,10 +208,14 @@ class S3Store:
         return f"s3://{self.bucket}/{self.key(name)}"
 
     def _call(self, name: str, call):
-        from botocore.exceptions import BotoCoreError, ClientError
+        from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, PartialCredentialsError
 
         try:
             return call()
+        except (NoCredentialsError, PartialCredentialsError) as err:  # not transient: no retry helps
+            raise StoreError(self.object_url(name), f"no usable S3 credentials ({err})",
+                             "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, ~/.aws/credentials)") \
+                from None
         except ClientError as err:
             code = str(err.response.get("Error", {}).get("Code", ""))
             status = err.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
