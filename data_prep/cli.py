@@ -1,4 +1,4 @@
-"""Command line: `python -m data_prep {tokenizer,shards,inspect,reindex} ...` (see --help of each)."""
+"""Command line: `python -m data_prep {tokenizer,shards,inspect,reindex,upload} ...` (see --help of each)."""
 from __future__ import annotations
 
 import argparse
@@ -50,6 +50,22 @@ def _add_shards_parser(commands) -> None:
     p.add_argument("--mpi", choices=("auto", "on", "off"), default="auto",
                    help="auto: use MPI when started by mpirun/mpiexec")
     p.add_argument("--overwrite", action="store_true", help="replace shards already in --output")
+    p.add_argument("--out", default=None, metavar="URL",
+                   help="then upload --output to s3://bucket/prefix (or a directory), the manifest last")
+    p.add_argument("--s3-endpoint", default=None, help="an S3-compatible store's URL (default: AWS_ENDPOINT_URL)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _add_upload_parser(commands) -> None:
+    p = commands.add_parser("upload", help="upload a shard directory to s3://bucket/prefix, the manifest last",
+                            description="Upload every file of a complete shard directory, manifest.json last (a "
+                            "manifest already at URL is deleted first), so that readers never see a half-written "
+                            "dataset; an interrupted upload leaves no manifest. Credentials and region come from "
+                            "the standard AWS environment variables and config files.")
+    p.add_argument("local_dir", help="directory written by `data_prep shards`")
+    p.add_argument("url", help="s3://bucket/prefix (or a local directory)")
+    p.add_argument("--s3-endpoint", default=None, help="an S3-compatible store's URL (default: AWS_ENDPOINT_URL)")
+    p.add_argument("--retries", type=int, default=6, help="attempts per file on transient errors (default 6)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -81,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_shards_parser(commands)
     _add_inspect_parser(commands)
     _add_reindex_parser(commands)
+    _add_upload_parser(commands)
     return parser
 
 
@@ -130,6 +147,17 @@ def run_shards(args) -> int:
         raise
     if manifest is not None:
         _print_shard_summary(manifest, time.perf_counter() - start, comm.Get_size() if comm else 1, workers)
+    if args.out is not None:
+        from .upload import upload_after_prepare
+
+        try:
+            done = upload_after_prepare(args.output, args.out, comm, args.s3_endpoint, progress=not args.quiet)
+        except DataPrepError as err:
+            if rank != 0:
+                return 2  # rank 0 reports it
+            raise err from None
+        if done is not None:
+            print(f"uploaded {done['files']} files ({done['bytes'] / 1e6:.1f} MB) to {args.out}, manifest last")
     return 0
 
 
@@ -166,6 +194,20 @@ def run_inspect(args) -> int:
     return 0 if problems == 0 else 1
 
 
+def run_upload(args) -> int:
+    from .stores import RetryPolicy
+    from .upload import upload
+
+    if args.retries < 1:
+        raise DataPrepError(f"--retries must be >= 1, got {args.retries}", "pass e.g. --retries 6")
+    start = time.perf_counter()
+    done = upload(args.local_dir, args.url, args.s3_endpoint, RetryPolicy(attempts=args.retries),
+                  progress=not args.quiet)
+    print(f"uploaded {done['files']} files ({done['bytes'] / 1e6:.1f} MB) to {args.url} in "
+          f"{time.perf_counter() - start:.1f} s, manifest last")
+    return 0
+
+
 def run_reindex(args) -> int:
     from .reindex import reindex
 
@@ -179,7 +221,7 @@ def run_reindex(args) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     handler = {"tokenizer": run_tokenizer, "shards": run_shards, "inspect": run_inspect,
-               "reindex": run_reindex}[args.command]
+               "reindex": run_reindex, "upload": run_upload}[args.command]
     try:
         return handler(args)
     except DataPrepError as err:

@@ -35,7 +35,8 @@ import torch
 
 from .errors import DataPrepError, ResumeStateError
 from .manifest import manifest_fingerprint
-from .order import rank_slice, rows_at
+from .mixture import MixedDataset, MixOrder
+from .order import make_order, rank_slice
 from .shard_reader import ShardDataset
 
 STATE_VERSION = 1
@@ -54,7 +55,9 @@ class ShardLoader:
     """Streams this data-parallel rank's share of each global batch from a shard directory.
 
     Args:
-        shard_dir: directory written by `python -m data_prep shards`.
+        shard_dir: directory written by `python -m data_prep shards`, s3://bucket/prefix or http(s):// URL of one
+            (streamed through the node cache, data_prep.sources), a data_prep.sources.ShardSource, or a list of
+            these (several corpora mixed by `mix`).
         global_batch_size: G, rows per optimizer step over all data-parallel ranks (a multiple of dp_size).
         dp_rank, dp_size: this rank and the number of data-parallel ranks.
         seed: selects the sample order (with the epoch).
@@ -71,22 +74,38 @@ class ShardLoader:
             the prefetch thread when there is one): host work for a coming step that need not wait for it. An
             exception in it reaches the consumer like a read error.
         read_tokens: False: read no row (batches hold zero tokens of the right shape, for a broadcast to fill).
+        order: "global" (a full permutation of the rows per epoch) or "blocks" (block-local: shards in groups of
+            block_shards, rows shuffled within a group; data_prep.order.BlockOrder). Part of the resume state.
+        prefetch_steps: a streamed source downloads the shards of this rank's next prefetch_steps batches ahead.
+        mix: when shard_dir is a list of corpora, their weights (None: proportional to their rows); each global
+            batch holds round(w x G) rows of each (data_prep.mixture). Part of the resume state.
     """
 
     def __init__(self, shard_dir, global_batch_size: int, dp_rank: int = 0, dp_size: int = 1, seed: int = 0,
                  split: str = "train", verify: str = "fast", on_corrupt: str = "error", prefetch: int = 2,
                  tokenizer_hash: str | None = None, select=None, pin_memory: bool = False, prepare=None,
-                 read_tokens: bool = True):
+                 read_tokens: bool = True, order: str = "global", block_shards: int = 8, prefetch_steps: int = 8,
+                 mix=None):
         _check_layout(global_batch_size, dp_rank, dp_size)
         self.pin_memory, self.prepare = pin_memory, prepare
-        self.dataset = ShardDataset(shard_dir, split, verify, on_corrupt, tokenizer_hash)
+        mixed = isinstance(shard_dir, list | tuple)
+        self.dataset = (MixedDataset([ShardDataset(d, split, verify, on_corrupt, tokenizer_hash) for d in shard_dir])
+                        if mixed else ShardDataset(shard_dir, split, verify, on_corrupt, tokenizer_hash))
         if len(self.dataset) == 0:
             raise DataPrepError(f"split {split!r} of {shard_dir} has no rows left to read "
                                 f"(skipped: {self.dataset.skipped})", "re-create the shards")
         self.global_batch_size, self.dp_rank, self.dp_size = global_batch_size, dp_rank, dp_size
         self.local_batch_size = global_batch_size // dp_size
         self.seed, self.prefetch, self.select, self.read_tokens = seed, prefetch, select, read_tokens
-        self.dataset_id = manifest_fingerprint(self.dataset.manifest) + f"/{split}/{len(self.dataset)}"
+        if mixed:
+            self.order = MixOrder(self.dataset, mix if mix is not None else [len(p) for p in self.dataset.parts],
+                                  global_batch_size, seed, order, block_shards)
+            fingerprint = self.dataset.fingerprint
+        else:
+            self.order = make_order(order, self.dataset.shard_rows, seed, block_shards)
+            fingerprint = manifest_fingerprint(self.dataset.manifest)
+        self.dataset_id = fingerprint + f"/{split}/{len(self.dataset)}" + self.order.tag
+        self.prefetch_steps, self._fetched_upto = prefetch_steps, 0
         self._step = 0
         self._active = None
 
@@ -113,8 +132,9 @@ class ShardLoader:
     def batch(self, step: int) -> dict:
         """This rank's share of global batch `step` (a pure function of seed, step, the layout and `select`)."""
         positions = self._positions(step)
-        rows, epochs = rows_at(positions, self.num_rows, self.seed)
+        rows, epochs = self.order.rows_at(positions)
         if self.read_tokens:
+            self._fetch_ahead(step)
             tokens = torch.from_numpy(self.dataset.read_rows(rows).astype(np.int64))
         else:
             tokens = torch.zeros((len(rows), self.dataset.row_len), dtype=torch.int64)
@@ -122,6 +142,14 @@ class ShardLoader:
                 "sample_index": torch.from_numpy(positions),
                 "row_id": torch.from_numpy(self.dataset.row_ids(rows)),
                 "epoch": torch.from_numpy(epochs), "step": torch.tensor(step)}
+
+    def _fetch_ahead(self, step: int) -> None:
+        """Start downloading the shards of this rank's rows of the next prefetch_steps batches (streamed sources)."""
+        if not self.dataset.source.streams or self.prefetch_steps <= 0:
+            return
+        for ahead in range(max(step + 1, self._fetched_upto), step + self.prefetch_steps + 1):
+            self.dataset.prefetch_rows(self.order.rows_at(self._positions(ahead))[0])
+        self._fetched_upto = step + self.prefetch_steps + 1
 
     def _ready(self, step: int) -> dict:
         """batch(step) as the iterator yields it: its tokens pinned when pin_memory, then `prepare` run on it (here,
@@ -187,7 +215,7 @@ class ShardLoader:
     def close(self) -> None:
         """Stop the prefetch thread of the running iteration (if any) and release the memory maps."""
         self._stop_prefetch()
-        self.dataset.close()
+        self.dataset.close_source()
 
     def _prefetched(self, first_step: int):
         """Batches made by a background thread, at most `prefetch` ahead of the consumer."""

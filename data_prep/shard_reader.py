@@ -9,19 +9,21 @@ the member. (Shards of a manifest without offsets are refused; `python -m data_p
 from __future__ import annotations
 
 import mmap
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from .errors import CorruptShardError, DataPrepError
-from .manifest import check_tokenizer_hash, corrupt_shard_error, read_manifest, verify_shards
+from .manifest import check_tokenizer_hash, corrupt_shard_error
 from .shard_writer import BLOCK, MEMBER_NAME_DIGITS, member_name, npy_header, tar_header
 
 CORRUPT_POLICIES = ("error", "skip")
 REMEDY = ("re-create the shards with `python -m data_prep shards`, or load with on_corrupt='skip' (a megaloop "
           "config: data.on_corrupt=skip) to leave this shard out (it is counted)")
 NAME_FIELD, SIZE_FIELD = slice(0, 100), slice(124, 136)
+STREAM_MAX_OPEN = 32  # memory maps a streamed dataset keeps open (its cache may delete the files of others)
 
 
 @dataclass
@@ -137,10 +139,13 @@ class ShardDataset:
 
     def __init__(self, shard_dir, split: str = "train", verify: str = "fast", on_corrupt: str = "error",
                  tokenizer_hash: str | None = None):
+        from .sources import open_source
+
         if on_corrupt not in CORRUPT_POLICIES:
             raise DataPrepError(f"unknown on_corrupt policy {on_corrupt!r}", f"use one of {CORRUPT_POLICIES}")
-        self.shard_dir = Path(shard_dir)
-        self.manifest = read_manifest(shard_dir)
+        self.source = open_source(shard_dir)
+        self.shard_dir = self.source.url
+        self.manifest = self.source.manifest()
         if tokenizer_hash is not None:
             check_tokenizer_hash(self.manifest, tokenizer_hash)
         if split not in self.manifest["splits"]:
@@ -152,14 +157,21 @@ class ShardDataset:
         self.skipped: list[dict] = []
         self.rows_read = 0  # rows copied out of the shards so far (read_rows)
         self.entries = self._usable_entries(verify)
-        self._open: dict[int, ShardRows] = {}
-        if on_corrupt == "skip":
+        self._open: OrderedDict[int, ShardRows] = OrderedDict()
+        self._substitute: dict[int, int] = {}  # streamed shards found corrupt under skip -> the shard read instead
+        self.max_open = STREAM_MAX_OPEN if self.source.streams else None
+        if on_corrupt == "skip" and not self.source.streams:
             self._index_all_or_skip()
         self._starts = np.cumsum([0] + [e["rows"] for e in self.entries]).astype(np.int64)
 
+    @property
+    def shard_rows(self) -> np.ndarray:
+        """Rows of each shard in use, in manifest order."""
+        return np.diff(self._starts)
+
     def _usable_entries(self, verify: str) -> list[dict]:
         entries = self.manifest["splits"][self.split]["shards"]
-        problems = verify_shards(self.shard_dir, self.manifest, verify, splits=[self.split])
+        problems = self.source.verify(self.manifest, verify, [self.split])
         if problems and self.on_corrupt == "error":
             name = next(e["name"] for e in entries if e["name"] in problems)
             raise corrupt_shard_error(name, problems[name])
@@ -179,15 +191,59 @@ class ShardDataset:
         self.entries = kept
 
     def _shard(self, number: int, entry: dict | None = None) -> ShardRows:
-        if number not in self._open:
-            entry = entry or self.entries[number]
-            self._open[number] = ShardRows(self.shard_dir / entry["name"], entry, self.row_len, self.dtype,
-                                           self.manifest["tokenizer"]["vocab_size"])
-        return self._open[number]
+        if number in self._open:
+            self._open.move_to_end(number)
+            return self._open[number]
+        entry = entry or self.entries[number]
+        vocab = self.manifest["tokenizer"]["vocab_size"]
+        for attempt in range(3):
+            path = self.source.shard_path(entry)
+            try:
+                rows = ShardRows(path, entry, self.row_len, self.dtype, vocab)
+                break
+            except CorruptShardError:
+                if path.exists() or attempt == 2:  # else: evicted by another rank between fetch and open
+                    raise
+        self._open[number] = rows
+        if self.max_open is not None and len(self._open) > self.max_open:
+            self._open.popitem(last=False)
+        return rows
+
+    def _readable(self, number: int) -> int:
+        """The shard whose rows stand for shard `number`: itself, or under on_corrupt='skip' on a streamed source
+        the next readable shard (in manifest order) when it is corrupt or missing. The verdict depends only on the
+        stored bytes against the manifest's checksum, so every rank that touches the shard takes the same one."""
+        if number in self._substitute:
+            return self._substitute[number]
+        if not (self.on_corrupt == "skip" and self.source.streams):
+            self._shard(number)
+            return number
+        for step in range(len(self.entries)):
+            candidate = (number + step) % len(self.entries)
+            try:
+                self._shard(candidate)
+                if candidate != number:
+                    self._substitute[number] = candidate
+                return candidate
+            except CorruptShardError as err:
+                if not any(s["shard"] == err.shard for s in self.skipped):
+                    self.skipped.append({"shard": err.shard, "problem": str(err)})
+        raise CorruptShardError(self.entries[number]["name"], "no shard of the split is readable", REMEDY)
+
+    def prefetch_rows(self, indices: np.ndarray) -> None:
+        """Start fetching the shards of these rows in the background (a streamed source; else nothing)."""
+        if self.source.streams and len(indices):
+            shard, _ = self.locate(indices)
+            self.source.prefetch([self.entries[int(n)] for n in np.unique(shard) if int(n) not in self._open])
 
     def close(self) -> None:
         """Forget the open memory maps (they are unmapped once no array refers to them); reopened on demand."""
         self._open.clear()
+
+    def close_source(self) -> None:
+        """close() and stop the source's background downloads."""
+        self.close()
+        self.source.close()
 
     def __len__(self) -> int:
         return int(self._starts[-1])
@@ -204,14 +260,29 @@ class ShardDataset:
         return shard, indices - self._starts[shard]
 
     def row_ids(self, indices: np.ndarray) -> np.ndarray:
-        """Manifest row ids (stable even when shards were skipped) of dataset indices."""
+        """Manifest row ids (stable even when shards were skipped) of dataset indices: of the rows read instead,
+        for a streamed shard replaced under on_corrupt='skip'."""
         shard, local = self.locate(indices)
+        shard, local = self._substituted(shard, local)
         firsts = np.asarray([e["first_row"] for e in self.entries], dtype=np.int64)
         return firsts[shard] + local
+
+    def _substituted(self, shard: np.ndarray, local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if not self._substitute:
+            return shard, local
+        shard, local = shard.copy(), local.copy()
+        rows = self.shard_rows
+        for bad, good in self._substitute.items():
+            where = shard == bad
+            shard[where], local[where] = good, local[where] % rows[good]
+        return shard, local
 
     def read_rows(self, indices: np.ndarray) -> np.ndarray:
         """Rows [len(indices), row_len] in the given order (one copy per shard touched)."""
         shard, local = self.locate(indices)
+        for number in np.unique(shard):
+            self._readable(int(number))
+        shard, local = self._substituted(shard, local)
         self.rows_read += len(shard)
         out = np.empty((len(shard), self.row_len), dtype=self.dtype)
         for number in np.unique(shard):

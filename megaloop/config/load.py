@@ -111,7 +111,12 @@ def _coerce(tp, value, name: str):
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(inner[0], value, name)
+        for alternative in inner[:-1]:  # e.g. str | list[str]: the first type the value fits
+            try:
+                return _coerce(alternative, value, name)
+            except ConfigError:
+                pass
+        return _coerce(inner[-1], value, name)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(name, value, f"must be a list, got {type(value).__name__}")

@@ -63,20 +63,48 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
-    """Where batches come from. shards: a directory written by `python -m data_prep shards`."""
+    """Where batches come from. shards: a directory written by `python -m data_prep shards`, or the s3://bucket/prefix
+    or http(s):// URL it was uploaded to (streamed through a node cache; data_prep/sources.py), or a list of these
+    (several corpora, each global batch holding round(mix_c x global_batch_size) rows of corpus c;
+    data_prep/mixture.py)."""
 
-    shards: str | None = None
+    shards: str | list[str] | None = None
+    mix: list[float] | None = None  # weights of the corpora of a list data.shards (None: proportional to their rows)
     micro_batch_size: int = 8
     global_batch_size: int = 32
     verify: str = "fast"  # full | fast | none
     on_corrupt: str = "error"  # error | skip
     prefetch: int = 4
     val_batches: int = 8
+    order: str | None = None  # global (a full permutation of the rows) | blocks (shards in groups of block_shards,
+    #                           rows shuffled within one; touches few shards at a time). None: blocks for s3:// and
+    #                           http(s):// shards, global for a local directory
+    block_shards: int = 8
+    cache_dir: str | None = None  # streamed shards' node cache (None: $MEGALOOP_SHARD_CACHE or $TMPDIR/megaloop-shards)
+    cache_gib: float = 64.0  # its bound; the least recently used shards are deleted to stay under it
+    s3_endpoint: str | None = None  # an S3-compatible store's URL (None: AWS_ENDPOINT_URL(_S3) or AWS itself)
+    prefetch_steps: int = 8  # streamed shards of the next prefetch_steps batches are downloaded ahead
+    retries: int = 6  # attempts per object on connection resets, timeouts and 5xx, before a clear error
+    retry_backoff_s: float = 0.5  # the first wait between attempts, doubled after each
 
     def validate(self) -> None:
-        for name in ("micro_batch_size", "global_batch_size", "prefetch"):
+        for name in ("micro_batch_size", "global_batch_size", "prefetch", "block_shards", "retries"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"data.{name}", getattr(self, name), "must be >= 1")
+        if self.order is not None:
+            check_choice("data.order", self.order, ("global", "blocks"))
+        if isinstance(self.shards, list) and not self.shards:
+            raise ConfigError("data.shards", self.shards, "an empty list; give one or more shard directories or URLs")
+        if self.mix is not None:
+            corpora = len(self.shards) if isinstance(self.shards, list) else 1
+            if len(self.mix) != corpora or min(self.mix) < 0 or not sum(self.mix) > 0:
+                raise ConfigError("data.mix", self.mix, f"must hold one weight >= 0 per corpus of data.shards "
+                                  f"({corpora}), with a positive sum, e.g. data.mix=[0.7,0.3]")
+        if not self.cache_gib > 0:
+            raise ConfigError("data.cache_gib", self.cache_gib, "must be > 0 (GiB of node-local disk for shards)")
+        if self.prefetch_steps < 0 or self.retry_backoff_s < 0:
+            raise ConfigError("data.prefetch_steps" if self.prefetch_steps < 0 else "data.retry_backoff_s",
+                              min(self.prefetch_steps, self.retry_backoff_s), "must be >= 0")
         if self.val_batches < 0:
             raise ConfigError("data.val_batches", self.val_batches, "must be >= 0")
         check_choice("data.verify", self.verify, ("full", "fast", "none"))

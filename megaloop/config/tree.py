@@ -139,31 +139,37 @@ class Config:
     def _validate_data_dir(self) -> None:
         if self.data.shards is None:
             return
-        shards = Path(self.data.shards)
+        for one in (self.data.shards if isinstance(self.data.shards, list) else [self.data.shards]):
+            self._validate_one_data_dir(one)
+
+    def _validate_one_data_dir(self, shards) -> None:
+        if str(shards).startswith(REMOTE_SHARDS):  # its manifest is checked when read (megaloop/train/data.py)
+            return
+        original, shards = shards, Path(shards)
         manifest = shards / "manifest.json"
         if not manifest.is_file():
-            raise ConfigError("data.shards", self.data.shards,
+            raise ConfigError("data.shards", original,
                               "is not a shard directory (no manifest.json); create one with "
                               "`python -m data_prep shards --input TEXT_DIR --tokenizer TOK_DIR --output DIR`")
         remedy = "re-create the shards with `python -m data_prep shards` (`python -m data_prep inspect` checks them)"
         try:
             info = json.loads(manifest.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ConfigError("data.shards", self.data.shards,
+            raise ConfigError("data.shards", original,
                               f"{manifest} is not valid JSON ({err}); {remedy}") from None
         if not isinstance(info, dict):
-            raise ConfigError("data.shards", self.data.shards, f"{manifest} does not hold a JSON object; {remedy}")
+            raise ConfigError("data.shards", original, f"{manifest} does not hold a JSON object; {remedy}")
         try:
             vocab = _manifest_vocab_size(info)
         except (TypeError, ValueError):
-            raise ConfigError("data.shards", self.data.shards, f"{manifest} holds a vocab_size that is not an "
+            raise ConfigError("data.shards", original, f"{manifest} holds a vocab_size that is not an "
                               f"integer; {remedy}") from None
         if vocab is not None:
             self.model.check_vocab_covers(vocab, str(manifest))
         seq_len = info.get("seq_len")
         row_len = info.get("row_len")
         if row_len is not None and (seq_len is None or row_len != seq_len + 1):
-            raise ConfigError("data.shards", self.data.shards,
+            raise ConfigError("data.shards", original,
                               f"{manifest} records seq_len={seq_len} but rows of {row_len} tokens (a row holds "
                               f"seq_len + 1): the manifest contradicts its shards; {remedy}")
         if seq_len is not None and seq_len != self.model.seq_len:
@@ -176,6 +182,9 @@ class Config:
     def with_precision(self, precision: str) -> "Config":
         """A copy with train.precision set (how `auto` is resolved once the device is known)."""
         return replace(self, train=replace(self.train, precision=precision))
+
+
+REMOTE_SHARDS = ("s3://", "http://", "https://")
 
 
 def _manifest_vocab_size(info: dict) -> int | None:

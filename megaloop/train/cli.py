@@ -74,8 +74,19 @@ def format_summary(cfg: Config, s) -> str:
         f"executed TFLOP/s      {tf(s.executed_flops):.4f}",
         f"peak TFLOP/s          {s.peak_tflops:.4f} ({s.peak_source})",
         f"MFU (useful/peak)     {format_mfu(tf(s.useful_flops), tf(s.executed_flops), s)}",
+        f"data                  {format_data(s)}",
     ]
     return "\n".join(lines)
+
+
+def format_data(s) -> str:
+    """The loader's figures of this job (rank 0's): its wait for batches, shard downloads, the node cache's hits."""
+    wait = s.data_wait_s
+    share = f" ({100 * wait / s.train_time_s:.1f}% of the train time)" if s.train_time_s else ""
+    skipped = s.data_shards_skipped
+    return (f"{wait:.2f} s waiting for batches{share}, {s.data_bytes_downloaded / 1e6:.1f} MB of shards "
+            f"downloaded, node cache hit ratio {s.data_cache_hit_ratio:.2f}"
+            + (f", {skipped} corrupt shard(s) skipped" if skipped else ""))
 
 
 def format_mfu(useful_tflops: float, executed_tflops: float, s) -> str:

@@ -27,22 +27,29 @@ class ShardData:
 
     def __init__(self, cfg: Config, dp_rank: int, dp_size: int, layout=None, pin: bool = False):
         from data_prep.loader import ShardLoader
-        from data_prep.manifest import read_manifest
 
         d = cfg.data
         self.cfg, self.dp_rank, self.dp_size = cfg, dp_rank, dp_size
-        self.manifest = read_manifest(d.shards)
+        self.sources = shard_sources(cfg)
+        self.source = self.sources[0]  # validation reads the first corpus of a mix
+        self.manifest = self.source.manifest()
+        for source in self.sources:
+            if source.streams:  # a local manifest was checked with the config (megaloop.config.tree)
+                _check_remote_manifest(cfg, source.manifest(), source.url)
         self.replica = _replica_reader(layout)
-        self.loader = ShardLoader(d.shards, d.global_batch_size, dp_rank, dp_size, seed=cfg.train.seed,
-                                  verify=d.verify, on_corrupt=d.on_corrupt, prefetch=d.prefetch,
+        mixed = isinstance(d.shards, list)
+        self.loader = ShardLoader(self.sources if mixed else self.source, d.global_batch_size, dp_rank, dp_size,
+                                  seed=cfg.train.seed, verify=d.verify, on_corrupt=d.on_corrupt, prefetch=d.prefetch,
                                   select=rank_selection(cfg, dp_rank, dp_size), pin_memory=pin,
-                                  read_tokens=self.replica is None or self.replica.reads)
+                                  read_tokens=self.replica is None or self.replica.reads,
+                                  order=data_order(cfg), block_shards=d.block_shards, prefetch_steps=d.prefetch_steps,
+                                  mix=d.mix)
         self.bytes_per_token = _bytes_per_token(self.manifest, "val")
         self._val = None
         self._ahead = None  # the training iterator whose first batch read_first_batch read
         self.val_rows = self.manifest["splits"].get("val", {}).get("rows", 0) if d.val_batches else 0
         if not self.val_rows and dp_rank == 0 and os.environ.get("RANK", "0") == "0":
-            reason = "data.val_batches=0" if not d.val_batches else f"{d.shards} has no val split"
+            reason = "data.val_batches=0" if not d.val_batches else f"{self.source.url} has no val split"
             print(f"megaloop: note: {reason}, so there is no validation loss (reported as n/a); shards made with "
                   "--val-fraction > 0 (default 0.01) hold one", file=sys.stderr)
 
@@ -84,10 +91,15 @@ class ShardData:
             from data_prep.loader import validation_batches
 
             d = self.cfg.data
-            batches = validation_batches(d.shards, d.micro_batch_size * self.dp_size, self.dp_rank, self.dp_size,
+            batches = validation_batches(self.source, d.micro_batch_size * self.dp_size, self.dp_rank, self.dp_size,
                                          verify="none", on_corrupt=d.on_corrupt)
             self._val = list(itertools.islice(batches, d.val_batches))
         return self._val
+
+    def stream_stats(self) -> dict:
+        """This process's shard I/O so far: bytes_downloaded, downloads, hits, hit_ratio, retries, evicted (a
+        local directory: zeros and ratio 1) and shards_skipped (left out under data.on_corrupt=skip)."""
+        return {**self.loader.dataset.source.stats(), "shards_skipped": len(self.loader.skipped)}
 
     def state_dict(self) -> dict:
         return self.loader.state_dict()
@@ -100,6 +112,36 @@ class ShardData:
         self.loader.close()
         if self.replica is not None:
             self.replica.close()
+
+
+def shard_sources(cfg: Config) -> list:
+    """data.shards as data_prep ShardSources (one per corpus): a local directory, or s3:// / http(s):// behind the
+    node cache."""
+    from data_prep.sources import open_source
+    from data_prep.stores import RetryPolicy
+
+    d = cfg.data
+    policy = RetryPolicy(attempts=d.retries, backoff_s=d.retry_backoff_s)
+    return [open_source(one, d.cache_dir, d.cache_gib, d.s3_endpoint, policy) for one in _corpora(cfg)]
+
+
+def _corpora(cfg: Config) -> list[str]:
+    return cfg.data.shards if isinstance(cfg.data.shards, list) else [cfg.data.shards]
+
+
+def _check_remote_manifest(cfg: Config, manifest: dict, url: str) -> None:
+    """The checks the config makes of a local manifest, for one read from a store: vocabulary and seq_len."""
+    cfg.model.check_vocab_covers(manifest["tokenizer"]["vocab_size"], f"{url}/manifest.json")
+    if manifest["seq_len"] != cfg.model.seq_len:
+        raise ConfigError("model.seq_len", cfg.model.seq_len, f"the shards at {url} hold rows of "
+                          f"seq_len={manifest['seq_len']}; set model.seq_len={manifest['seq_len']}")
+
+
+def data_order(cfg: Config) -> str:
+    """data.order, or its default: blocks when any corpus is streamed (few shards touched at a time), else global."""
+    from data_prep.stores import is_remote
+
+    return cfg.data.order or ("blocks" if any(is_remote(one) for one in _corpora(cfg)) else "global")
 
 
 def rank_selection(cfg: Config, dp_rank: int, dp_size: int):

@@ -41,6 +41,10 @@ class RunSummary:
     job_tokens: int = 0  # tokens trained by this job (what tokens_per_s divides by train_time_s)
     skipped: int = 0
     interrupted: bool = False
+    data_wait_s: float = 0.0  # time the steps waited for their batch (time_data summed; the rank's own)
+    data_bytes_downloaded: int = 0  # shard bytes this rank's node cache downloaded (streamed shards)
+    data_cache_hit_ratio: float = 1.0  # shard requests served by the node cache without a download
+    data_shards_skipped: int = 0  # shards left out under data.on_corrupt=skip
     train_time_s: float = 0.0
     useful_flops: float = 0.0
     executed_flops: float = 0.0
@@ -269,6 +273,7 @@ def _run_steps(cfg, model, optimizer, sampler, flop_model, data: DataSource, run
         figures = reduce_step(stats, runtime)  # the step's one reduction (launched inside the step), read here
         dt = time.perf_counter() - t0
         record = _train_record(step, stats, figures, t_data, dt, summary, optimizer, guard)
+        _note_data(record, summary, data, t_data)
         summary.steps_done = step + 1
         summary.losses.append(record["loss"])
         if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1:
@@ -300,6 +305,15 @@ def _run_steps(cfg, model, optimizer, sampler, flop_model, data: DataSource, run
             for depth, v in val.items():
                 writer.write({"kind": "val", "step": done, "T": depth, **v})
             progress.note(" ".join(f"T{t}:{v['val_loss']:.3f}" for t, v in val.items()))
+
+
+def _note_data(record: dict, summary: RunSummary, data: DataSource, t_data: float) -> None:
+    """The loader's figures into the step's record and the summary: its wait, bytes downloaded, cache hit ratio."""
+    io = data.stream_stats()
+    summary.data_wait_s += t_data
+    summary.data_bytes_downloaded, summary.data_cache_hit_ratio = io["bytes_downloaded"], io["hit_ratio"]
+    summary.data_shards_skipped = io["shards_skipped"]
+    record["data_bytes_downloaded"], record["data_cache_hit_ratio"] = io["bytes_downloaded"], io["hit_ratio"]
 
 
 def _stop_code(flag, ckpt, t0: float) -> int:

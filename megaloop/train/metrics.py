@@ -22,6 +22,7 @@ TRAIN_FIELDS = {
     "executed_flops": NUMBER, "mfu": NUMBER, "hfu": NUMBER, "time_data": NUMBER, "time_forward": NUMBER,
     "time_backward": NUMBER, "time_optimizer": NUMBER, "time_communication": NUMBER, "time_pipeline_idle": NUMBER,
     "time_step": NUMBER,
+    "data_bytes_downloaded": int, "data_cache_hit_ratio": NUMBER,  # this rank's node-cache figures so far
 }
 VAL_FIELDS = {"kind": str, "step": int, "T": int, "val_loss": NUMBER, "val_bpb": NUMBER, "tokens": int}
 RESUME_FIELDS = {"kind": str, "step": int, "from": str}  # a job continued the run from a checkpoint at `step`

@@ -147,6 +147,9 @@ class DataSource(Protocol):
     def val_batches(self) -> list[dict]:
         """The validation batches (the same at every call), empty without a validation split."""
 
+    def stream_stats(self) -> dict:
+        """Shard I/O so far: bytes_downloaded, hit_ratio (node cache), shards_skipped, ..."""
+
     def state_dict(self) -> dict:
         """The reading position, saved with a checkpoint."""
 
