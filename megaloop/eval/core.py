@@ -92,7 +92,7 @@ def wilson(correct: int, n: int, z: float = Z95) -> tuple[float, float]:
     denom = 1 + z * z / n
     mid = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, mid - half), min(1.0, mid + half)
+    return (0.0 if correct == 0 else max(0.0, mid - half)), (1.0 if correct == n else min(1.0, mid + half))
 
 
 def read_tasks(core_dir) -> tuple[list[TaskSpec], list[str], list[str]]:
