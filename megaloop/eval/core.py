@@ -20,6 +20,10 @@ Centered accuracy rescales accuracy so that chance is 0 and perfect is 1:
 
     centered = (accuracy - chance) / (1 - chance)
 
+Task files in the folder that tasks_v0.3.yaml does not list (bigbench_language_identification and
+bigbench_repeat_copy_logic here, both in DCLM's CORE) are scored too: their format is read from their fields,
+with the default delimiters and UNLISTED_SHOTS few-shot examples (DCLM's CORE count for both).
+
 with chance computed from the data: the mean over examples of 1 / (number of choices) for multiple choice, of
 1 / (number of context options) for schema, and 0 for language modelling. Accuracy has a 95% Wilson score interval,
 mapped through the same formula. CORE is the mean centered accuracy over the tasks scored; its interval is
@@ -40,6 +44,7 @@ FORMATS = {"multiple_choice": "multiple_choice", "schema": "schema", "language_m
 TASKS_FILE = "tasks_v0.3.yaml"
 URI_PREFIX = "eval/local_data/"
 Z95 = 1.959963984540054
+UNLISTED_SHOTS = 10
 
 
 @dataclass(frozen=True)
@@ -120,7 +125,28 @@ def read_tasks(core_dir) -> tuple[list[TaskSpec], list[str], list[str]]:
                 continue
             present.append(TaskSpec(name, entry["label"], rel, kind, int(k),
                                     entry.get("continuation_delimiter", " "), entry.get("example_delimiter", "\n")))
+    listed_files = {e["dataset_uri"].removeprefix(URI_PREFIX) for e in listed}
+    for path in sorted(core_dir.rglob("*.jsonl")):
+        rel = path.relative_to(core_dir).as_posix()
+        kind = None if rel in listed_files else _format_of(path)
+        if kind is not None:
+            present.append(TaskSpec(path.stem, path.stem, rel, kind, UNLISTED_SHOTS))
     return present, missing, other
+
+
+def _format_of(path: Path) -> str | None:
+    """The format of an unlisted task file from its first record's fields (None: not one of the three)."""
+    import json
+
+    with open(path, encoding="utf-8") as f:
+        first = json.loads(f.readline() or "{}")
+    if {"query", "choices", "gold"} <= first.keys():
+        return "multiple_choice"
+    if {"context_options", "continuation", "gold"} <= first.keys():
+        return "schema"
+    if {"context", "continuation"} <= first.keys():
+        return "language_modeling"
+    return None
 
 
 def read_examples(core_dir, spec: TaskSpec, limit: int | None = None) -> list[dict]:
