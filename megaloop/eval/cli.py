@@ -166,6 +166,7 @@ def _tasks(args, model, tokenizer, depths, groups, specs, seed, world) -> dict:
     from megaloop.eval.scoring import Scorer
 
     present, missing, other = core.read_tasks(args.core_dir)
+    tokenizer = _Memo(tokenizer)  # every depth scores the same prompts: encode each once
     out: dict = {}
     for depth in depths:
         scorer = Scorer(model, depth, seed, args.batch_size, world, tokenizer.bos_id)
@@ -188,6 +189,19 @@ def _tasks(args, model, tokenizer, depths, groups, specs, seed, world) -> dict:
             out.setdefault("lambada", {})[depth] = core.lambada(scorer, tokenizer, examples,
                                                                 _bar(world, len(examples), f"T={depth} lambada"))
     return out
+
+
+class _Memo:
+    """A tokenizer whose encode remembers its results (the prompts repeat across depths and choices)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self._seen = tokenizer, {}
+        self.bos_id, self.eos_id = tokenizer.bos_id, tokenizer.eos_id
+
+    def encode(self, text: str) -> list[int]:
+        if text not in self._seen:
+            self._seen[text] = self.tokenizer.encode(text)
+        return self._seen[text]
 
 
 def _bar(world, total: int, desc: str):

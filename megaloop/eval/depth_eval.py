@@ -46,7 +46,7 @@ def validation_rows(shards, limit: int | None = None) -> tuple[Rows, float | Non
     try:
         ds = ShardDataset(shards, "val", verify="none")
     except Exception as err:  # noqa: BLE001 - a missing or damaged shard directory, whatever the reader says
-        raise EvalInputError(f"{shards}: no validation split to evaluate ({err}); pass --shards DIR or --no-val")
+        raise EvalInputError(f"{shards}: no validation split to evaluate ({err}); pass --shards DIR, or leave val out of --tasks") from None
     n = len(ds) if limit is None else min(limit, len(ds))
     tokens = torch.from_numpy(ds.read_rows(np.arange(n, dtype=np.int64)).astype(np.int64))
     from megaloop.train.data import _bytes_per_token
