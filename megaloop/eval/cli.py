@@ -38,8 +38,26 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=16, metavar="B", help="rows per forward (default 16)")
     p.add_argument("--config", default=None, metavar="YAML",
                    help="load the weights into this config's model (default: the checkpoint's own model config)")
+    add_device_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     return p
+
+
+def add_device_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]; the model runs in fp32 there (h_0 "
+                   "draws on CUDA come from CUDA generators, so numbers differ from the CPU's within float noise)")
+
+
+def checked_device(name: str):
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise EvalInputError(f"--device {name!r}: not a device name; use cpu or cuda[:N]") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise EvalInputError(f"--device {name}: no CUDA device is available here; use --device cpu")
+    return device
 
 
 def parse_depths(text: str | None, model_cfg) -> list[int]:
@@ -104,7 +122,7 @@ def _load(args):
             model_cfg = load_config(args.config, validate=False).model
         except (ConfigError, FileNotFoundError) as err:
             raise EvalInputError(f"--config: {err}") from None
-    return load_model(args.checkpoint, model_cfg)
+    return load_model(args.checkpoint, model_cfg, device=checked_device(args.device))
 
 
 def load_tokenizer_for(loaded, shards, tokenizer_dir):

@@ -24,7 +24,7 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, gene
     """Greedy at temperature 0; else a draw from softmax(logits / temperature) over the top_k largest."""
     if temperature <= 0:
         return int(logits.argmax())
-    logits = logits.double() / temperature
+    logits = logits.detach().cpu().double() / temperature  # the sampling generator is a CPU one
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

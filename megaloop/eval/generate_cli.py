@@ -29,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--score-rows", type=int, default=4, metavar="N", help="rows of --score-text to score (default 4)")
     p.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenizer directory (default: the run's)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    from megaloop.eval.cli import add_device_argument
+
+    add_device_argument(p)
     return p
 
 
@@ -56,10 +59,10 @@ def _check(args, cfg) -> int:
 
 def _run(args) -> int:
     from megaloop.eval.checkpoint import load_model
-    from megaloop.eval.cli import load_tokenizer_for
+    from megaloop.eval.cli import checked_device, load_tokenizer_for
     from megaloop.eval.generate import generate
 
-    loaded = load_model(args.checkpoint)
+    loaded = load_model(args.checkpoint, device=checked_device(args.device))
     cfg = loaded.model_config
     depth = _check(args, cfg)
     tokenizer = load_tokenizer_for(loaded, None, args.tokenizer)
