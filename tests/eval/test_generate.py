@@ -43,3 +43,51 @@ def test_adaptive_exit_limits(model):
     full = Scorer(model, 3, seed=0)  # teacher forcing through the cache = the batched forward
     assert abs(fixed[3] + sum(s.logprob for s in full.score([(r[:1].tolist(), r[1:].tolist()) for r in rows]))
                / (3 * 12)) < 1e-5
+
+
+def _reference_adaptive(model, ids: list[int], depth: int, eps: float, seed: int):
+    """Adaptive depth from its definition, with the model's own whole-sequence blocks: position p's core block j at
+    lap t attends to earlier positions q through their block inputs at lap min(t, exit_q - 1) (their last lap once
+    they stopped). Returns (logits [P, V], laps per position)."""
+    n = len(ids)
+    x_ids = torch.tensor([ids])
+    ctx = model.context(x_ids)
+    e = model.encode(x_ids, ctx)
+    term, coeffs = model.injection(None, e)
+    h0 = Scorer(model, depth, seed).h0(1, n)
+    inputs = [[[None] * n for _ in model.core] for _ in range(depth)]
+    exits, final = [0] * n, []
+    for p in range(n):
+        h = h0[:, p:p + 1]
+        for t in range(depth):
+            x = model.injection(h, prepared=(term[:, p:p + 1], coeffs))
+            for j, block in enumerate(model.core):
+                seq = [inputs[min(t, exits[q] - 1)][j][q] for q in range(p)] + [x]
+                inputs[t][j][p] = x
+                rope = (ctx.rope[0][:p + 1], ctx.rope[1][:p + 1])
+                ve = None if ctx.core_ve[j] is None else ctx.core_ve[j][:, :p + 1]
+                x = block(torch.cat(seq, 1), rope, ve)[:, -1:]
+            ratio = float((x - h).norm() / x.norm())
+            h = x
+            if ratio < eps or t == depth - 1:
+                exits[p] = t + 1
+                break
+        final.append(h)
+    logits = model.logits(model.decode(torch.cat(final, 1), ctx))[0]
+    return logits, exits
+
+
+@torch.no_grad()
+def test_adaptive_exit_matches_its_definition(model):
+    ids = torch.randint(3, 260, (10,), generator=torch.Generator().manual_seed(6)).tolist()
+    for eps in (0.6, 0.4, 0.3, 0.2, 0.1, 0.05):  # a threshold where positions stop after different laps
+        inc = IncrementalLM(model, 4, seed=2)
+        steps = [inc.step(torch.tensor([[i]]), eps) for i in ids]
+        laps = [int(s[1][0, 0]) for s in steps]
+        if len(set(laps)) >= 3:
+            break
+    assert len(set(laps)) >= 3, laps
+    want_logits, want_laps = _reference_adaptive(model, ids, 4, eps, seed=2)
+    assert laps == want_laps
+    got = torch.cat([s[0][0] for s in steps])
+    assert torch.allclose(got, want_logits, atol=2e-5, rtol=0)
