@@ -109,10 +109,11 @@ CORE_DIR = Path(__file__).resolve().parents[3] / "shared" / "data" / "eval" / "c
 @pytest.mark.skipif(not (CORE_DIR / core.TASKS_FILE).is_file(), reason="the CORE folder is not here")
 @pytest.mark.parametrize("label", ["copa", "winograd", "bigbench_qa_wikidata"])  # one of each format
 def test_random_logits_score_chance(label):
+    from megaloop.config import ModelConfig
     from megaloop.eval.scoring import Scorer
-    from tests.eval.eval_helpers import ByteTokenizer, small_model
+    from tests.eval.eval_helpers import ByteTokenizer
 
-    cfg = small_model().cfg
+    cfg = ModelConfig(vocab_size=260, d_model=32, n_heads=2, seq_len=24, mu_rec=3, mu_bwd=1, ve_gate_channels=8)
     spec = next(s for s in core.read_tasks(CORE_DIR)[0] if s.label == label)
     examples = core.read_examples(CORE_DIR, spec, 100)
     r = core.score_task(Scorer(RandomLogits(cfg), 1, batch_size=64), ByteTokenizer(), spec, examples, seed=0)
