@@ -32,6 +32,9 @@ class MegaloopLM(LM):
         from megaloop.eval.cli import load_tokenizer_for
 
         if model is None:
+            if checkpoint is None:
+                raise ValueError("the megaloop model needs model_args checkpoint=RUN_DIR|CHECKPOINT (and optionally "
+                                 "depth=T, seed=S, batch_size=B, tokenizer=DIR)")
             loaded = load_model(checkpoint)
             model = loaded.model
             tokenizer_obj = tokenizer_obj or load_tokenizer_for(loaded, None, tokenizer)
