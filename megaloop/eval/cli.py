@@ -137,9 +137,16 @@ def load_tokenizer_for(loaded, shards, tokenizer_dir):
                              ) from None
 
 
+def _check_counts(args) -> None:
+    for flag, value in (("--batch-size", args.batch_size), ("--limit", args.limit), ("--val-rows", args.val_rows)):
+        if value is not None and value < 1:
+            raise EvalInputError(f"{flag} {value}: give a positive count")
+
+
 def _run(args) -> int:
     from megaloop.eval.world import close_world, init_world
 
+    _check_counts(args)
     loaded = _load(args)
     cfg = loaded.model_config
     depths = parse_depths(args.depths, cfg)
