@@ -15,10 +15,9 @@ import torch
 
 from megaloop.config import ConfigError
 from megaloop.config.model import ModelConfig
+from megaloop.eval.errors import EvalInputError
 
-
-class EvalInputError(ValueError):
-    """Bad input to eval/generate; the message is one line saying what is wrong and what to do (exit code 2)."""
+__all__ = ["EvalInputError", "LoadedModel", "checkpoint_dir", "load_model"]
 
 
 @dataclass

@@ -8,7 +8,7 @@ import math
 import sys
 from pathlib import Path
 
-from megaloop.eval.checkpoint import EvalInputError
+from megaloop.eval.errors import EvalInputError
 
 HELP = ("evaluate a committed checkpoint at fixed loop depths T: loss and bits per byte on the validation split "
         "and on any text, CORE and LAMBADA")

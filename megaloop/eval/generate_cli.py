@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from megaloop.eval.checkpoint import EvalInputError
+from megaloop.eval.errors import EvalInputError
 
 HELP = ("generate text from a committed checkpoint at a fixed loop depth T (KV cache per lap), or with adaptive "
         "depth per token")
