@@ -1,6 +1,6 @@
 """megaloop command line: `python -m megaloop train|check|flops|bench|launch|plan CONFIG [--set key=value ...]`,
-`python -m megaloop peak` (the CPU peak MFU divides by) and `python -m megaloop preflight` (every communication
-path of a job, checked and timed)."""
+`python -m megaloop peak` (the CPU peak MFU divides by), `python -m megaloop preflight` (every communication
+path of a job, checked and timed) and `python -m megaloop eval|generate CHECKPOINT` (evaluation and sampling)."""
 from __future__ import annotations
 
 import argparse
@@ -40,6 +40,10 @@ def _parser() -> argparse.ArgumentParser:
 
     preflight_cli.add_arguments(sub.add_parser("preflight", help=preflight_cli.HELP,
                                                description=preflight_cli.HELP + ". " + preflight_cli.EXIT_CODES))
+    from megaloop.eval import cli as eval_cli, generate_cli
+
+    eval_cli.add_arguments(sub.add_parser("eval", help=eval_cli.HELP, description=eval_cli.HELP))
+    generate_cli.add_arguments(sub.add_parser("generate", help=generate_cli.HELP, description=generate_cli.HELP))
     return ap
 
 
@@ -90,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
             from megaloop.preflight.cli import run_preflight
 
             return run_preflight(args)
+        if args.command in ("eval", "generate"):
+            from megaloop.eval import cli as eval_cli, generate_cli
+
+            return (eval_cli.run_eval if args.command == "eval" else generate_cli.run_generate)(args)
         if args.command == "plan":
             from megaloop.plan.cli import run_plan
 

@@ -19,6 +19,8 @@ echo "[setup] installing pinned Python packages (with DeepSpeed)"
 # one resolution for everything, so that DeepSpeed's torch>=2.0 is met by torch's own pin; no compiled ops at install
 DS_BUILD_OPS=0 .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt \
   -r requirements-deepspeed.txt
+echo "[setup] installing the lm-eval harness (requirements-eval.txt, runtime pins as constraints)"
+.venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-eval.txt -c requirements.txt
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . >/dev/null
 TORCH_PIN=$(sed -n 's/^torch==//p' requirements.txt)
 TORCH_HAVE=$(.venv/bin/python -c 'import torch; print(torch.__version__.split("+")[0])')
