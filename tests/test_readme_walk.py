@@ -152,7 +152,7 @@ def test_every_readme_bash_block_runs(tmp_path):
     done = run_group(["bash", str(tmp_path / "walk.sh")], cwd=copy, env=env, capture_output=True, text=True,
                           timeout=900)
     log = done.stdout + done.stderr
-    print("\n".join(l for l in log.splitlines() if l.startswith(("### ", "$ ", "megaloop", "readme-walk", "quickstart",
+    print("\n".join(line for line in log.splitlines() if line.startswith(("### ", "$ ", "megaloop", "readme-walk", "quickstart",
                                                                   "[setup]", "OK", "train:", "val:"))))
     print(f"readme-walk: walked the blocks at README.md lines {walked}")
     assert done.returncode == 0, f"a README command failed (rc {done.returncode}):\n{log[-6000:]}"

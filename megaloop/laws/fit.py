@@ -95,7 +95,7 @@ def _minimise(f, theta0: np.ndarray, bounds) -> tuple[np.ndarray, float]:
     return res.x, float(res.fun)
 
 
-def fit_law(law: Law, cols: dict, *, delta: float = DELTA, restarts: int = 32, screen: int = 2000, boot: int = 200,
+def fit_law(law: Law, cols: dict, *, delta: float = DELTA, restarts: int = 32, screen: int = 500, boot: int = 200,
             level: float = 0.95, seed: int = 0, progress=None) -> Fit:
     """The best of `restarts` L-BFGS-B runs from the best-scored of `screen` random starts, then `boot` bootstrap
     refits for the intervals (boot=0: no intervals). `progress(n)` is called after each bootstrap refit."""

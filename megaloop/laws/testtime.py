@@ -14,6 +14,7 @@ import numpy as np
 from megaloop.laws.fit import DELTA, FitError, check_points, fit_law
 from megaloop.laws.forms import TESTTIME_FORMS
 
+MIN_POINTS = 4
 TIE = (1e-6, 0.05)  # forms whose error is within best + max(absolute, relative x best) count as tied
 
 
@@ -23,26 +24,30 @@ def rmse(law, theta, cols: dict) -> float:
 
 
 def compare_forms(cols: dict, split: float | None = None, *, delta: float = DELTA, boot: int = 200, seed: int = 0,
-                  restarts: int = 16, progress=None) -> dict:
+                  restarts: int = 16, screen: int = 200, progress=None) -> dict:
     """{"forms": {name: {params..., "rmse_in", "rmse_out", "bic", "n_params"}}, "selected", "split",
     "criterion"} for points with columns T and loss."""
     cols = {k: np.asarray(v, dtype=float) for k, v in cols.items()}
-    check_points(TESTTIME_FORMS["pure_power"], cols, min_points=4)
+    if len(cols.get("loss", ())) < MIN_POINTS:
+        raise FitError(f"too few points for the testtime law: {len(cols.get('loss', ()))} given, at least "
+                       f"{MIN_POINTS} needed (the forms have up to 3 parameters)")
+    check_points(TESTTIME_FORMS["pure_power"], cols)
     split = float(np.median(cols["T"])) if split is None else float(split)
     inside = cols["T"] <= split
-    has_out = bool((~inside).any()) and inside.sum() >= 4
+    has_out = bool((~inside).any()) and inside.sum() >= MIN_POINTS
     cols_in = {k: v[inside] for k, v in cols.items()}
     cols_out = {k: v[~inside] for k, v in cols.items()}
     forms, n = {}, len(cols["loss"])
     for name, law in TESTTIME_FORMS.items():
-        full = fit_law(law, cols, delta=delta, boot=boot, seed=seed, restarts=restarts, progress=progress)
+        full = fit_law(law, cols, delta=delta, boot=boot, seed=seed, restarts=restarts, screen=screen,
+                       progress=progress)
         entry = full.as_json()
         k = len(law.params)
         err = rmse(law, full.theta, cols)
         entry.update(n_params=k, rmse_all=err, bic=n * np.log(max(err, 1e-300) ** 2) + k * np.log(n))
         if has_out:
             try:
-                part = fit_law(law, cols_in, delta=delta, boot=0, seed=seed, restarts=restarts)
+                part = fit_law(law, cols_in, delta=delta, boot=0, seed=seed, restarts=restarts, screen=screen)
                 entry.update(rmse_in=rmse(law, part.theta, cols_in), rmse_out=rmse(law, part.theta, cols_out))
             except FitError:  # fewer in-distribution points than this form has parameters
                 entry.update(rmse_in=float("nan"), rmse_out=float("nan"))
