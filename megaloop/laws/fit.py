@@ -2,7 +2,7 @@
 
 Objective: sum_i Huber_delta(log L(theta; x_i) - log y_i), minimised by L-BFGS-B (scipy) with the analytic
 gradient. Starts: `screen` random points drawn from each parameter's start range are scored, and the best
-`restarts` are optimised; the best optimum wins. delta = 1e-3 by default (as in Chinchilla's fit): residuals
+`restarts` are optimised roughly; the best is polished to a tight tolerance. delta = 1e-3 by default (as in Chinchilla's fit): residuals
 beyond 0.1% of the loss count linearly, so an outlier run pulls the fit far less than under least squares.
 
 Intervals: the points are resampled with replacement (`boot` times, seeded) and refitted, each refit started
@@ -57,6 +57,7 @@ def huber(r: np.ndarray, delta: float) -> tuple[np.ndarray, np.ndarray]:
 def objective(law: Law, cols: dict, log_y: np.ndarray, delta: float, weights: np.ndarray | None = None):
     """f(theta) -> (value, gradient) of the weighted Huber sum on log loss."""
     w = np.ones_like(log_y) if weights is None else weights
+    cols = dict(cols)  # the terms cache their logs in it
 
     def f(theta):
         g, dg = law.terms(theta, cols)
@@ -66,7 +67,7 @@ def objective(law: Law, cols: dict, log_y: np.ndarray, delta: float, weights: np
         r = (m + np.log(s))[:, 0] - log_y
         h, dh = huber(r, delta)
         soft = e / s  # d logsumexp / d g_k
-        grad = np.einsum("n,nk,nkp->p", w * dh, soft, dg)
+        grad = np.einsum("nk,nkp->p", (w * dh)[:, None] * soft, dg)
         return float((w * h).sum()), grad
     return f
 
@@ -89,9 +90,15 @@ def _starts(law: Law, rng: np.random.Generator, n: int) -> np.ndarray:
     return lo + (hi - lo) * rng.random((n, len(law.params)))
 
 
-def _minimise(f, theta0: np.ndarray, bounds) -> tuple[np.ndarray, float]:
-    res = minimize(f, theta0, jac=True, method="L-BFGS-B", bounds=bounds,
-                   options={"maxiter": 2000, "ftol": 1e-15, "gtol": 1e-12})
+TOLERANCES = {"rough": {"maxiter": 200, "ftol": 1e-9, "gtol": 1e-7},  # the restarts: which basin is best
+              "tight": {"maxiter": 5000, "ftol": 1e-14, "gtol": 1e-10},  # the fit: the best basin polished
+              "boot": {"maxiter": 500, "ftol": 1e-12, "gtol": 1e-8}}  # a resample's refit (a small resample can be
+#                                                                         degenerate: no endless polishing)
+
+
+def _minimise(f, theta0: np.ndarray, bounds, mode: str = "tight") -> tuple[np.ndarray, float]:
+    options = TOLERANCES[mode]
+    res = minimize(f, theta0, jac=True, method="L-BFGS-B", bounds=bounds, options=options)
     return res.x, float(res.fun)
 
 
@@ -109,7 +116,8 @@ def fit_law(law: Law, cols: dict, *, delta: float = DELTA, restarts: int = 32, s
     starts = np.clip(starts, [b[0] for b in bounds], [b[1] for b in bounds])
     scores = np.array([f(s)[0] for s in starts])
     best_starts = starts[np.argsort(scores)[:restarts]]
-    theta, value = min((_minimise(f, s, bounds) for s in best_starts), key=lambda tv: tv[1])
+    rough = min((_minimise(f, s, bounds, "rough") for s in best_starts), key=lambda tv: tv[1])
+    theta, value = _minimise(f, rough[0], bounds)  # the best basin, polished
     out = Fit(law, theta, value, len(log_y), delta)
     if boot:
         _bootstrap(out, cols, log_y, bounds, boot, level, rng, progress)
@@ -122,7 +130,7 @@ def _bootstrap(fit: Fit, cols, log_y, bounds, boot, level, rng, progress) -> Non
     for _ in range(boot):
         w = np.bincount(rng.integers(0, n, n), minlength=n).astype(float)  # a resample as multiplicities
         f = objective(fit.law, cols, log_y, fit.delta, w)
-        thetas.append(_minimise(f, fit.theta, bounds)[0])  # a resample's optimum lies near the full fit's
+        thetas.append(_minimise(f, fit.theta, bounds, "boot")[0])  # a resample's optimum lies near the full fit's
         if progress is not None:
             progress(1)
     fit.boot_thetas = np.array(thetas)

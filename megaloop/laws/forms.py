@@ -110,9 +110,17 @@ UNIFIED = Law("unified", "L_inf + Z exp(-z T / mu_rec)", TESTTIME_FORMS["exp"].p
               _decay_terms(lambda c: c["T"] / c["mu_rec"], floor=True))
 
 
+def _log(cols: dict, name: str) -> np.ndarray:
+    """log of a column, cached in `cols` (the objective calls the terms thousands of times on the same points)."""
+    key = "log_" + name
+    if key not in cols:
+        cols[key] = np.log(cols[name])
+    return cols[key]
+
+
 def _parametric_terms(theta, cols):
     """E + X N^-x + Y D^-y, theta = (log E, log X, x, log Y, y); N = params (the model at its mu_rec)."""
-    log_n, log_d = np.log(cols["params"]), np.log(cols["tokens"])
+    log_n, log_d = _log(cols, "params"), _log(cols, "tokens")
     n, p = len(log_n), len(theta)
     dx, dy = _const(n, p, 1), _const(n, p, 3)
     dx[:, 2], dy[:, 4] = -log_n, -log_d
@@ -128,14 +136,14 @@ PARAMETRIC = Law("parametric", "E + X N(mu_rec)^-x + Y D^-y",
 
 def _phi_terms(theta, cols):
     """E + X (N_once + r^phi N_rec)^-x + Y D^-y, theta = (log E, log X, x, log Y, y, phi)."""
-    r, n_once, n_rec, log_d = cols["r"], cols["n_once"], cols["n_rec"], np.log(cols["tokens"])
-    rp = r ** theta[5]
+    log_r, n_once, n_rec, log_d = _log(cols, "r"), cols["n_once"], cols["n_rec"], _log(cols, "tokens")
+    rp = np.exp(theta[5] * log_r)
     n_eff = n_once + rp * n_rec
     log_n = np.log(n_eff)
-    n, p = len(r), len(theta)
+    n, p = len(log_r), len(theta)
     dx, dy = _const(n, p, 1), _const(n, p, 3)
     dx[:, 2] = -log_n
-    dx[:, 5] = -theta[2] * rp * np.log(r) * n_rec / n_eff
+    dx[:, 5] = -theta[2] * rp * log_r * n_rec / n_eff
     dy[:, 4] = -log_d
     return _stack([np.full(n, theta[0]), theta[1] - theta[2] * log_n, theta[3] - theta[4] * log_d],
                   [_const(n, p, 0), dx, dy])
