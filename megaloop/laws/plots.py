@@ -45,7 +45,7 @@ def plot_fit(law: str, cols: dict, result: dict, path: Path) -> None:
     else:
         form = LAWS[law]
         pred = form.predict({k: result[k]["value"] for k in form.names}, cols)
-        ax.scatter(pred, cols["loss"], s=12, color="k")
+        ax.scatter(pred, cols["loss"], s=12, color="k", label=f"{len(pred)} points")
         lo, hi = min(pred.min(), cols["loss"].min()), max(pred.max(), cols["loss"].max())
         ax.plot([lo, hi], [lo, hi], "-", color="gray")
         ax.set_xlabel(f"fitted {form.formula}")
