@@ -47,7 +47,7 @@ def _one_line_error(capsys, argv, *expected):
 
 def test_testtime_json_from_a_run_dir_has_one_object_per_form(tmp_path, capsys):
     run = _run_dir(tmp_path / "run")
-    assert main(["laws", "fit", str(run), "--law", "testtime", "--json", "--boot", "10", "--restarts", "4",
+    assert main(["laws", "fit", str(run), "--law", "testtime", "--json", "--boot", "4", "--restarts", "4",
                  "--plot", str(tmp_path / "tt.png")]) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(TESTTIME_FORMS) <= set(out) and out["selected"] == "exp" and out["split"] == 4  # the run's mu_rec
