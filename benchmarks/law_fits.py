@@ -30,7 +30,7 @@ def _cases(rng):
     yield "phi", LAWS["phi"], synthetic.phi(rng), synthetic.TRUTH["phi"]
     yield "unified", LAWS["unified"], synthetic.unified(rng), synthetic.TRUTH["unified"]
     for form in TESTTIME_FORMS:
-        yield f"testtime:{form}", TESTTIME_FORMS[form], synthetic.testtime(form, rng), synthetic.TRUTH[form]
+        yield f"testtime:{form}", TESTTIME_FORMS[form], synthetic.testtime(form, rng, repeats=40), synthetic.TRUTH[form]
 
 
 def recovery(boot: int) -> None:
