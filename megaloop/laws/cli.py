@@ -19,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="laws_command", required=True)
     fit = sub.add_parser("fit", help=HELP, description=HELP + ". The CSV columns are params, mu_rec, tokens, flops, "
                          "T, loss, n_once, n_rec and r (unused ones may be absent). e.g. `python -m megaloop laws fit "
-                         "runs/quickstart --law testtime --json`")
+                         "runs/quickstart/train --law testtime --json`")
     fit.add_argument("run_dirs", nargs="*", type=Path, metavar="RUN_DIR", help="finished run directories")
     fit.add_argument("--points", type=Path, metavar="FILE.csv", help="a CSV of points instead of run directories")
     fit.add_argument("--law", required=True, choices=LAWS, help="the law to fit")
