@@ -119,7 +119,7 @@ def train_step(model, optimizer, batch: dict, depth_sample, step: int, seed: int
     host-to-device copies inside it). `timer`: one StepTimer kept over the steps (on a GPU it reports the previous
     step's times; a fresh one per step reports NaN there). `stop_code()`: this rank's stop code (StopRequests),
     taken when the statistics are packed, after the micro-batches. `veto(stats, step)` (train.on_spike=skip): true
-    drops the step's update (megaloop.train.spikes), judged on the packed statistics before the gradient reduction."""
+    drops the step's update (megaloop.train.spikes), judged on the packed statistics before the optimizer runs."""
     tokens, sample_index = batch["tokens"], batch["sample_index"]
     device, seq = runtime.device, tokens.shape[1] - 1
     global_tokens = cfg.data.global_batch_size * seq  # a host integer: the loss is the global token mean
