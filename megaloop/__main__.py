@@ -1,6 +1,8 @@
 """megaloop command line: `python -m megaloop train|check|flops|bench|launch|plan CONFIG [--set key=value ...]`,
 `python -m megaloop peak` (the CPU peak MFU divides by), `python -m megaloop preflight` (every communication
-path of a job, checked and timed) and `python -m megaloop eval|generate CHECKPOINT` (evaluation and sampling)."""
+path of a job, checked and timed), `python -m megaloop eval|generate CHECKPOINT` (evaluation and sampling),
+`python -m megaloop laws fit` (scaling laws with intervals) and `python -m megaloop plot RUN_DIR` (a run's curves
+as PNGs)."""
 from __future__ import annotations
 
 import argparse
@@ -41,9 +43,13 @@ def _parser() -> argparse.ArgumentParser:
     preflight_cli.add_arguments(sub.add_parser("preflight", help=preflight_cli.HELP,
                                                description=preflight_cli.HELP + ". " + preflight_cli.EXIT_CODES))
     from megaloop.eval import cli as eval_cli, generate_cli
+    from megaloop.laws import cli as laws_cli
+    from megaloop.train import plots
 
     eval_cli.add_arguments(sub.add_parser("eval", help=eval_cli.HELP, description=eval_cli.HELP))
     generate_cli.add_arguments(sub.add_parser("generate", help=generate_cli.HELP, description=generate_cli.HELP))
+    laws_cli.add_arguments(sub.add_parser("laws", help=laws_cli.HELP, description=laws_cli.HELP))
+    plots.add_arguments(sub.add_parser("plot", help=plots.HELP, description=plots.HELP))
     return ap
 
 
@@ -98,6 +104,14 @@ def main(argv: list[str] | None = None) -> int:
             from megaloop.eval import cli as eval_cli, generate_cli
 
             return (eval_cli.run_eval if args.command == "eval" else generate_cli.run_generate)(args)
+        if args.command == "laws":
+            from megaloop.laws.cli import run_laws
+
+            return run_laws(args)
+        if args.command == "plot":
+            from megaloop.train.plots import run_plot
+
+            return run_plot(args)
         if args.command == "plan":
             from megaloop.plan.cli import run_plan
 

@@ -131,6 +131,10 @@ class TrainConfig:
     #                           spans the new train.steps: the rate rises again if the run had cooled down)
     time_limit_s: float | None = None  # this job's wall-clock budget: stop and save in time (also MEGALOOP_DEADLINE)
     max_consecutive_skips: int = 20  # stop when this many steps in a row had a non-finite gradient norm
+    on_spike: str = "log"  # a loss spike (loss > rolling median + spike_k x MAD): log | skip (drop the step's
+    #                        update) | stop (save a checkpoint and stop); see megaloop/train/spikes.py
+    spike_k: float = 6.0
+    spike_window: int = 50  # the rolling median and MAD are over this many recent losses
     activation_checkpointing: str = "none"  # none | block (recompute each block) | lap (recompute a whole kept lap)
     compile: bool = False  # torch.compile each block once (the loop calls it T times; prefix sizes dynamic)
     fp8: str = "none"  # none | tensorwise | rowwise: the core's linear layers in FP8, current scaling (pipeline/fp8.py)
@@ -158,6 +162,11 @@ class TrainConfig:
             raise ConfigError("train.time_limit_s", self.time_limit_s, "must be > 0 seconds or null")
         if self.max_consecutive_skips < 1:
             raise ConfigError("train.max_consecutive_skips", self.max_consecutive_skips, "must be >= 1")
+        check_choice("train.on_spike", self.on_spike, ("log", "skip", "stop"))
+        if not self.spike_k > 0 or self.spike_window < 2:
+            raise ConfigError("train.spike_k" if not self.spike_k > 0 else "train.spike_window",
+                              self.spike_k if not self.spike_k > 0 else self.spike_window,
+                              "spike_k must be > 0 and spike_window >= 2")
         if self.val_depths is not None and (not self.val_depths or min(self.val_depths) < 1):
             raise ConfigError("train.val_depths", self.val_depths, "a non-empty list of depths >= 1, or null")
 

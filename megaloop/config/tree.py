@@ -78,6 +78,9 @@ class Config:
         if self.train.precision == "fp64":
             reasons.append("train.precision=fp64 (a verification precision of the native engine)")
             fixes.append("train.precision=fp32")
+        if self.train.on_spike == "skip":
+            reasons.append("train.on_spike=skip (DeepSpeed's engine steps its own optimizer)")
+            fixes.append("train.on_spike=log")
         if p.dp_balance == "depth":
             reasons.append("parallel.dp_balance=depth (DeepSpeed runs a fixed number of micro-batches per rank)")
             fixes.append("parallel.dp_balance=rows")

@@ -141,6 +141,18 @@ class CombinedOptimizer:
             for group in self.adamw.param_groups:
                 group["lr"] = values.adam_lr
 
+    def skip_step(self, step: int | None = None) -> StepRecord:
+        """Drop this step's gradients without updating anything and count it as skipped (a loss spike under
+        train.on_spike=skip); the step counter advances as in `step`."""
+        step = self.iteration if step is None else step
+        values = self.schedule_at(step)
+        self.num_skipped += 1
+        self.zero_grad(set_to_none=True)
+        self.iteration = step + 1
+        return StepRecord(step=step, grad_norm=float("nan"), skipped=True, lr_multiplier=values.lr_multiplier,
+                          matrix_lr=values.matrix_lr, adam_lr=values.adam_lr, muon_momentum=values.muon_momentum,
+                          muon_weight_decay=values.muon_weight_decay)
+
     @torch.no_grad()
     def step(self, step: int | None = None) -> StepRecord:
         """Clip gradients, then update every parameter with the schedules at ``step`` (default: own counter).

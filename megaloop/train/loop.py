@@ -27,6 +27,7 @@ from megaloop.train.metrics import MetricsWriter
 from megaloop.train.progress import Progress
 from megaloop.train.protocols import DataSource, TrainerRuntime
 from megaloop.train.runtime import set_phase_timeout
+from megaloop.train.spikes import SpikeMonitor, stop_message
 from megaloop.train.step import StepTimer, reduce_step, schedule_ahead, train_step
 from megaloop.train.stopping import StartupStop, StopRequests, deadline_from
 
@@ -261,6 +262,7 @@ def _run_steps(cfg, model, optimizer, sampler, flop_model, data: DataSource, run
     model.train()
     batches = data.train_batches()
     consecutive_skips = 0
+    spikes = SpikeMonitor(cfg.train, runtime)
     timer = StepTimer(runtime.device)  # one over the steps: on a GPU each step's times are read at the next
     for step in range(summary.start_step, cfg.train.steps):
         t0 = time.perf_counter()
@@ -268,7 +270,7 @@ def _run_steps(cfg, model, optimizer, sampler, flop_model, data: DataSource, run
         t_data = time.perf_counter() - t0
         depth_sample = sampler.sample(step, batch["sample_index"])
         stats = train_step(model, optimizer, batch, depth_sample, step, cfg.train.seed, cfg, runtime, flop_model,
-                           timer=timer, stop_code=functools.partial(_stop_code, flag, ckpt, t0))
+                           timer=timer, stop_code=functools.partial(_stop_code, flag, ckpt, t0), veto=spikes.veto)
         flag.note_step(time.perf_counter() - t0)
         figures = reduce_step(stats, runtime)  # the step's one reduction (launched inside the step), read here
         dt = time.perf_counter() - t0
@@ -279,6 +281,9 @@ def _run_steps(cfg, model, optimizer, sampler, flop_model, data: DataSource, run
         if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1:
             writer.write(record)
         progress.update(record)
+        spike = spikes.after_step(step, record["loss"])
+        if spike is not None:
+            writer.write(spike.record(figures.telemetry, cfg.train.on_spike))
         if step == summary.start_step:
             ckpt.prepare(model, optimizer)  # the optimizer state exists now: host buffers for the saves
         consecutive_skips = consecutive_skips + 1 if record["skipped"] else 0
@@ -291,6 +296,11 @@ def _run_steps(cfg, model, optimizer, sampler, flop_model, data: DataSource, run
                 f"optim.adam_lr, {'try train.precision=fp32, ' if reduced else ''}or raise "
                 "train.max_consecutive_skips")
         done = step + 1
+        if spike is not None and spikes.stops:
+            if runtime.is_main:
+                print(stop_message(spike, cfg.train.out_dir), file=sys.stderr, flush=True)
+            summary.interrupted, summary.stop_reason = True, f"loss spike at step {step} (train.on_spike=stop)"
+            break
         if flag.decide(figures.stop_code):  # every rank saw the same code: all stop after this step
             summary.interrupted, summary.stop_reason = True, flag.reason
             break

@@ -1,9 +1,10 @@
 """metrics.jsonl (one JSON object per line) and TensorBoard event files, with the documented schema.
 
-Four record kinds share the file: "train" (one per optimizer step), "val" (one per validation depth T),
+Five record kinds share the file: "train" (one per optimizer step), "val" (one per validation depth T),
 "resume" (a job continued the run from a checkpoint: the records of later steps that an earlier job may have
 written before it stopped are superseded by those after this line) and "checkpoint_failed" (the save of `step` was
-not committed; `fatal`: it ended the run, see megaloop.train.checkpointing.RunCheckpoints.wait).
+not committed; `fatal`: it ended the run, see megaloop.train.checkpointing.RunCheckpoints.wait) and "spike" (a
+loss spike, with rho(A) and ||h_T|| at that step and the action train.on_spike took; megaloop.train.spikes).
 SCHEMA below is the contract that tests validate and the README documents.
 """
 from __future__ import annotations
@@ -27,8 +28,10 @@ TRAIN_FIELDS = {
 VAL_FIELDS = {"kind": str, "step": int, "T": int, "val_loss": NUMBER, "val_bpb": NUMBER, "tokens": int}
 RESUME_FIELDS = {"kind": str, "step": int, "from": str}  # a job continued the run from a checkpoint at `step`
 CHECKPOINT_FAILED_FIELDS = {"kind": str, "step": int, "error": str, "in_a_row": int, "fatal": bool}
+SPIKE_FIELDS = {"kind": str, "step": int, "loss": NUMBER, "median": NUMBER, "mad": NUMBER, "threshold": NUMBER,
+                "rho_A": NUMBER, "state_norm": NUMBER, "action": str}  # a loss spike (megaloop.train.spikes)
 SCHEMA = {"train": TRAIN_FIELDS, "val": VAL_FIELDS, "resume": RESUME_FIELDS,
-          "checkpoint_failed": CHECKPOINT_FAILED_FIELDS}
+          "checkpoint_failed": CHECKPOINT_FAILED_FIELDS, "spike": SPIKE_FIELDS}
 
 
 def validate_record(record: dict) -> None:
@@ -72,6 +75,9 @@ class MetricsWriter:
     def _mirror(self, record: dict) -> None:
         step = record["step"]
         if record["kind"] == "resume":
+            return
+        if record["kind"] == "spike":
+            self._tb.add_scalar("spike/loss", record["loss"], step)
             return
         if record["kind"] == "val":
             self._tb.add_scalar(f"val/loss_T{record['T']}", record["val_loss"], step)

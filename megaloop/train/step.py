@@ -117,12 +117,14 @@ class StepTimer:
 
 def train_step(model, optimizer, batch: dict, depth_sample, step: int, seed: int, cfg, runtime: TrainerRuntime,
                flop_model: FlopModel, loop_guard=contextlib.nullcontext, timer: StepTimer | None = None,
-               stop_code: Callable[[], int] = lambda: 0) -> StepStats:
+               stop_code: Callable[[], int] = lambda: 0, veto: Callable[[StepStats, int], bool] | None = None
+               ) -> StepStats:
     """batch: {"tokens": [rows, S+1], "sample_index": [rows]}: this data-parallel rank's rows (any number).
     `loop_guard()` is entered around the micro-batches' assembly and loop (tests count host syncs and blocking
     host-to-device copies inside it). `timer`: one StepTimer kept over the steps (on a GPU it reports the previous
     step's times; a fresh one per step reports NaN there). `stop_code()`: this rank's stop code (StopRequests),
-    taken when the statistics are packed, after the micro-batches."""
+    taken when the statistics are packed, after the micro-batches. `veto(stats, step)` (train.on_spike=skip): true
+    drops the step's update (megaloop.train.spikes), judged on the packed statistics before the optimizer runs."""
     tokens, sample_index = batch["tokens"], batch["sample_index"]
     device, seq = runtime.device, tokens.shape[1] - 1
     global_tokens = cfg.data.global_batch_size * seq  # a host integer: the loss is the global token mean
@@ -141,7 +143,10 @@ def train_step(model, optimizer, batch: dict, depth_sample, step: int, seed: int
     runtime.reduce_gradients(model)
     t3 = timer.mark()
     timer.add("communication", t2, t3)
-    stats.record = optimizer.step(step)
+    if veto is not None and veto(stats, step):  # every rank judges the same job-wide figures
+        stats.record = optimizer.skip_step(step)
+    else:
+        stats.record = optimizer.step(step)
     optimizer.zero_grad(set_to_none=True)
     timer.add("optimizer", t3, timer.mark())
     stats.times.update(timer.totals())  # on a GPU the previous step's: no synchronisation here

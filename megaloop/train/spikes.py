@@ -1,0 +1,99 @@
+"""Loss-spike detection during training (train.on_spike).
+
+A step's loss (the job-wide token mean) is a spike when it exceeds the rolling median of the last
+train.spike_window non-spike losses by more than train.spike_k x their MAD (median absolute deviation; floored at
+MAD_FLOOR x the median so a flat stretch does not flag rounding noise), or when it is not finite. Nothing is judged
+before SPIKE_MIN_HISTORY losses are known. Spike losses never enter the window, so a divergence keeps being flagged.
+
+Each spike is logged as a "spike" metrics record with the loop's health at that step: rho(A) (the injection's
+spectral radius) and ||h_T|| (state_norm). Then train.on_spike acts:
+  log   nothing more;
+  skip  the step's update is not applied (its gradients are dropped and the step counts as skipped): the loss is
+        judged from the step's packed statistics before the optimizer runs, which costs one host read of them
+        before the update (a device sync on a GPU, where the clip decision syncs anyway);
+  stop  the run stops after the step, saves a checkpoint and says why (like an agreed stop: exit 75).
+Every rank judges the same job-wide loss, so every rank takes the same decision.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+SPIKE_MIN_HISTORY = 20
+MAD_FLOOR = 1e-3
+ACTIONS = ("log", "skip", "stop")
+
+
+@dataclass
+class Spike:
+    step: int
+    loss: float
+    median: float
+    mad: float
+    threshold: float
+
+    def record(self, telemetry: dict, action: str) -> dict:
+        """The "spike" metrics record (megaloop.train.metrics.SPIKE_FIELDS)."""
+        return {"kind": "spike", "step": self.step, "loss": self.loss, "median": self.median, "mad": self.mad,
+                "threshold": self.threshold, "rho_A": float(telemetry.get("rho_A", float("nan"))),
+                "state_norm": float(telemetry.get("state_norm", float("nan"))), "action": action}
+
+
+class SpikeDetector:
+    """loss > rolling median + k x MAD over the last `window` non-spike losses."""
+
+    def __init__(self, k: float, window: int, min_history: int = SPIKE_MIN_HISTORY):
+        self.k, self.min_history = k, min(min_history, window)
+        self.history: deque = deque(maxlen=window)
+
+    def check(self, step: int, loss: float) -> Spike | None:
+        if len(self.history) < self.min_history:
+            if math.isfinite(loss):
+                self.history.append(loss)
+            return None
+        h = np.fromiter(self.history, dtype=float)
+        median = float(np.median(h))
+        mad = max(float(np.median(np.abs(h - median))), MAD_FLOOR * abs(median))
+        threshold = median + self.k * mad
+        if math.isfinite(loss) and loss <= threshold:
+            self.history.append(loss)
+            return None
+        return Spike(step, loss, median, mad, threshold)
+
+
+class SpikeMonitor:
+    """train.on_spike for the training loop: `veto` (skip only) judges a step before its update; `after_step` gives
+    the step's spike (judged now, or by the veto), if any."""
+
+    def __init__(self, train_cfg, runtime):
+        self.action = train_cfg.on_spike
+        self.detector = SpikeDetector(train_cfg.spike_k, train_cfg.spike_window)
+        self.runtime = runtime
+        self._vetoed: Spike | None = None
+        self.veto = self._veto if self.action == "skip" else None
+
+    @property
+    def stops(self) -> bool:
+        return self.action == "stop"
+
+    def _veto(self, stats, step: int) -> bool:
+        from megaloop.train.step import reduce_step
+
+        self._vetoed = self.detector.check(step, reduce_step(stats, self.runtime).loss)
+        return self._vetoed is not None
+
+    def after_step(self, step: int, loss: float) -> Spike | None:
+        if self.veto is not None:
+            spike, self._vetoed = self._vetoed, None
+            return spike if spike is not None and spike.step == step else None
+        return self.detector.check(step, loss)
+
+
+def stop_message(spike: Spike, out_dir: str) -> str:
+    return (f"megaloop: loss spike at step {spike.step}: loss {spike.loss:.4g} > median {spike.median:.4g} + "
+            f"k x MAD {spike.mad:.3g} (threshold {spike.threshold:.4g}); train.on_spike=stop: stopping and saving a "
+            f"checkpoint in {out_dir} (resume by re-running the command, e.g. with a lower learning rate or "
+            "train.on_spike=skip)")
