@@ -105,6 +105,9 @@ class TrainConfig:
     max_consecutive_skips: int = 20  # stop when this many steps in a row had a non-finite gradient norm
     activation_checkpointing: str = "none"  # none | block (recompute each block) | lap (recompute a whole kept lap)
     compile: bool = False  # torch.compile each block once (the loop calls it T times; prefix sizes dynamic)
+    fp8: str = "none"  # none | tensorwise | rowwise: the core's linear layers in FP8, current scaling (pipeline/fp8.py)
+    fp8_backend: str = "torchao"  # torchao (torchao's recipes on torch._scaled_mm, CPU and GPU) | te (GPU only)
+    fp8_prelude_coda: bool = False  # also the prelude's and coda's linear layers (head, embeddings, injection: never)
 
     def validate(self) -> None:
         if self.steps < 1:
@@ -113,6 +116,11 @@ class TrainConfig:
         check_choice("train.device", self.device, ("auto", "cpu", "cuda"))
         check_choice("train.extend", self.extend, ("continue", "rewarm"))
         check_choice("train.activation_checkpointing", self.activation_checkpointing, ("none", "block", "lap"))
+        check_choice("train.fp8", self.fp8, ("none", "tensorwise", "rowwise"))
+        check_choice("train.fp8_backend", self.fp8_backend, ("torchao", "te"))
+        if self.fp8 == "rowwise" and self.fp8_backend == "te":
+            raise ConfigError("train.fp8", self.fp8, "Transformer Engine runs tensorwise current scaling in the loop "
+                              "(Float8CurrentScaling): set train.fp8=tensorwise, or train.fp8_backend=torchao")
         for name in ("log_every", "val_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name}", getattr(self, name), "must be >= 1")

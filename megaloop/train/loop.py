@@ -20,6 +20,7 @@ from megaloop.train.data import open_data
 from megaloop.train.evaluate import default_val_depths, final_val_depths, validation_losses
 from megaloop.train.flops import FlopModel
 from megaloop.train.hardware import bf16_support
+from megaloop.train.fp8 import with_fp8
 from megaloop.train.peak import PeakGuard, cpu_peak
 from megaloop.train.precision import PrecisionChoice, apply_optimizer_precision, param_dtype, resolve_precision
 from megaloop.train.metrics import MetricsWriter
@@ -164,6 +165,7 @@ def build_model_and_optimizer(cfg: Config, runtime: TrainerRuntime, device: torc
     names = runtime.held_parameter_names(model) if split else None
     fill = (held_parameters(cfg.model, cfg.train.seed, device, names, init_split(runtime)) if init else
             empty_parameters(device, names))
+    fill = with_fp8(fill, cfg.train, runtime)  # train.fp8: the split layers converted as each rank holds them
     if split:
         model = runtime.prepare_model(model, materialize=fill)
     else:
