@@ -154,7 +154,8 @@ class _Float8Matmul(torch.autograd.Function):
 def _record(record: dict, **scales) -> None:
     """Keep the scales of a layer's first call (forward) and first backward (tests compare them across layouts)."""
     for role, scale in scales.items():
-        record.setdefault(role, scale.detach().clone())
+        if role not in record:
+            record[role] = scale.detach().clone()
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
