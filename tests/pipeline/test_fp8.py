@@ -99,3 +99,18 @@ def test_conversion_keeps_names_and_lists_skipped_layers():
     ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
     model(ids, labels=ids, depth=2)
     assert {k.rsplit(".", 1)[1] for k in first_scales(model)} == {"x", "w"}  # no backward yet: no "g"
+
+
+def test_bad_fp8_settings_are_one_line_config_errors():
+    from megaloop.config import load_config
+    from tests.train.conftest import TINY
+
+    for override, allowed in (("train.fp8=e4m3", "none, tensorwise, rowwise"),
+                              ("train.fp8_backend=apex", "torchao, te")):
+        with pytest.raises(ValueError) as err:
+            load_config(str(TINY), [override])
+        message = str(err.value)
+        assert message.startswith(f"config error: {override.split('=')[0]}=") and allowed in message
+        assert "\n" not in message
+    with pytest.raises(ValueError, match="fp8 recipe"):
+        convert_to_float8(nn.Sequential(nn.Linear(16, 16, bias=False)), "delayed", ("*",))
