@@ -1,6 +1,9 @@
 """FP8 (train.fp8) under tp2, dp2, pp2 and tp2 x dp2 against FP8 in one process: parcae-tiny on 32-token shards,
 10 steps, both recipes, fp32 and fp64. Prints per layout the worst per-step loss difference (relative) and how many
-of the FP8 layers' first-call scales (input, weight, output gradient) are bit-identical to the single process's.
+of the FP8 layers' scales (input, weight, output gradient) are bit-identical to the single process's: each layer's
+first call, and every call of the run (compared as a sorted multiset per layer and role, since a pipeline schedule
+runs the same calls in another order; row-wise weight scales of column-parallel layers are per-rank pieces and
+appear among the first-call ones only, gathered).
 
     python benchmarks/fp8_layouts.py [--steps 10] [--recipes tensorwise rowwise] [--precisions fp32 fp64]
 
@@ -37,11 +40,15 @@ def overrides(shards, out_dir, recipe: str, precision: str, steps: int) -> list[
 
 def compare(got: dict, ref: dict) -> dict:
     loss = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"]))
-    same = [k for k, v in ref["scales"].items() if k in got["scales"] and torch.equal(got["scales"][k], v)]
-    weights = [k for k in ref["scales"] if k.endswith(".w")]
-    return {"loss_rel": loss, "scales_equal": len(same), "scales": len(ref["scales"]),
+    first = {k: v for k, v in ref["scales"].items() if not k.endswith(".calls")}
+    same = [k for k, v in first.items() if k in got["scales"] and torch.equal(got["scales"][k], v)]
+    weights = [k for k in first if k.endswith(".w")]
+    calls = {k: v for k, v in ref["scales"].items() if k.endswith(".calls")}
+    calls_same = [k for k, v in calls.items() if got["scales"].get(k) == v]
+    return {"loss_rel": loss, "scales_equal": len(same), "scales": len(first),
+            "calls_equal": sum(len(calls[k]) for k in calls_same), "calls": sum(len(v) for v in calls.values()),
             "weight_scales_equal": sum(k in same for k in weights), "weight_scales": len(weights),
-            "missing": sorted(set(ref["scales"]) - set(got["scales"]))}
+            "missing": sorted(set(first) - set(got["scales"]))}
 
 
 def layout_matrix(shards, root: Path, recipes, precisions, steps: int, layouts=LAYOUTS) -> dict:
@@ -73,11 +80,12 @@ def main(argv=None) -> None:
         shards = build_shards(corpus_files(None), Path(tmp))
         results = layout_matrix(shards, Path(tmp), args.recipes, args.precisions, args.steps,
                                 {k: LAYOUTS[k] for k in args.layouts})
-    print(f"{'layout':8s} {'recipe':10s} {'prec':5s} {'loss rel err':>12s} {'scales bit-identical':>22s} "
-          f"{'weight scales':>14s}")
+    print(f"{'layout':8s} {'recipe':10s} {'prec':5s} {'loss rel err':>12s} {'first-call scales =':>20s} "
+          f"{'weight scales =':>16s} {'every call, all steps =':>24s}")
     for (label, recipe, precision), r in results.items():
         print(f"{label:8s} {recipe:10s} {precision:5s} {r['loss_rel']:12.1e} {r['scales_equal']:>10d} / "
-              f"{r['scales']:<9d} {r['weight_scales_equal']:>6d} / {r['weight_scales']}"
+              f"{r['scales']:<7d} {r['weight_scales_equal']:>8d} / {r['weight_scales']:<5d} {r['calls_equal']:>12d} / "
+              f"{r['calls']}"
               + (f"  missing {r['missing']}" if r["missing"] else ""))
 
 

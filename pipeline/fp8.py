@@ -152,10 +152,13 @@ class _Float8Matmul(torch.autograd.Function):
 
 
 def _record(record: dict, **scales) -> None:
-    """Keep the scales of a layer's first call (forward) and first backward (tests compare them across layouts)."""
+    """Keep the scales of a layer's first call (forward) and first backward, and with Float8Linear.record_every_call
+    every call's under "calls" (tests compare them across layouts, where a schedule may reorder the calls)."""
     for role, scale in scales.items():
         if role not in record:
             record[role] = scale.detach().clone()
+        if "calls" in record:
+            record["calls"].append((role, scale.detach().clone()))
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -182,8 +185,11 @@ class Float8Linear:
 
     fp8: Float8Settings
     fp8_scales: dict
+    record_every_call = False  # a test hook: keep every call's scales (memory grows with the calls)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.record_every_call and "calls" not in self.fp8_scales:
+            self.fp8_scales["calls"] = []
         y = float8_linear(x, self.weight, self.fp8, self.fp8_scales)
         if isinstance(self, RowParallelLinear):
             return exit_row_region(y, self.tp_group, self.sequence_parallel)

@@ -8,7 +8,7 @@ from torch import nn
 
 from megaloop.config import load_config
 from megaloop.train.loop import train
-from pipeline.fp8 import float8_layers
+from pipeline.fp8 import Float8Linear, float8_layers
 from pipeline.tensor_parallel import gather_full
 from tests.pipeline.workers_train import traced_runtime
 
@@ -21,19 +21,31 @@ def held_scales(runtime) -> dict[str, torch.Tensor]:
     local = {}
     for name, layer in float8_layers(runtime.model).items():
         for role, scale in sorted(layer.fp8_scales.items()):
+            if role == "calls":  # every call's, as a sorted multiset per role (a schedule may reorder calls)
+                for r in ("x", "w", "g"):
+                    mine = [s for rr, s in scale if rr == r]
+                    if mine and not (r == "w" and layer.fp8.rowwise and layer.fp8.split == "column"):
+                        local[f"{name}.{r}.calls"] = sorted(tuple(s.flatten().tolist()) for s in mine)
+                continue
             if scale.dim() and role == "w" and layer.fp8.split == "column":  # this rank's rows' scales
                 scale = gather_full(scale, shards.get(f"{name}.weight"), group)
             local[f"{name}.{role}"] = scale
     if layout is None:
         return local
     merged = {}
-    for scales in runtime.all_gather_object(local):
+    tp_rank = getattr(layout, "tp_rank", 0)
+    for rank_tp, scales in runtime.all_gather_object((tp_rank, local)):
         for key, value in scales.items():
-            merged.setdefault(key, value)
+            if key.endswith(".calls"):  # every data-parallel replica's calls, once per tp group
+                if rank_tp == 0:
+                    merged[key] = sorted(merged.get(key, []) + value)
+            else:
+                merged.setdefault(key, value)
     return merged
 
 
 def fp8_run(config_path: str, overrides: list[str], runtime_factory=traced_runtime) -> dict:
+    Float8Linear.record_every_call = True
     cfg = load_config(config_path, overrides)
     runtime = runtime_factory(cfg, torch.device("cpu"))
     summary = train(cfg, runtime=runtime)
