@@ -8,7 +8,9 @@ appear among the first-call ones only, gathered).
     python benchmarks/fp8_layouts.py [--steps 10] [--recipes tensorwise rowwise] [--precisions fp32 fp64]
 
 Every layout sees the same micro-batches as the single process (train.bucket_depths=false, parallel.dp_balance=rows:
-data-parallel rank r reads the r-th contiguous share), so each layer's first call has the same input."""
+data-parallel rank r reads the r-th contiguous share), so each layer's first call has the same input; no validation
+batches (their rows depend on dp by design: micro_batch_size x dp rows per batch), so every recorded call is a
+training step's.
 from __future__ import annotations
 
 import argparse
@@ -33,7 +35,7 @@ LAYOUTS = {"tp2": (2, ["parallel.tp=2"]), "dp2": (2, []), "pp2": (2, ["parallel.
 
 def overrides(shards, out_dir, recipe: str, precision: str, steps: int) -> list[str]:
     return [f"data.shards={shards}", f"train.out_dir={out_dir}", f"train.steps={steps}", "model.vocab_size=512",
-            "model.seq_len=32", "data.micro_batch_size=2", "data.global_batch_size=16", "data.val_batches=1",
+            "model.seq_len=32", "data.micro_batch_size=2", "data.global_batch_size=16", "data.val_batches=0",
             "train.val_every=1000", "train.progress=false", f"train.precision={precision}",
             f"train.fp8={recipe}", "train.bucket_depths=false", "parallel.dp_balance=rows", "checkpoint.every=0"]
 
