@@ -10,7 +10,7 @@ appear among the first-call ones only, gathered).
 Every layout sees the same micro-batches as the single process (train.bucket_depths=false, parallel.dp_balance=rows:
 data-parallel rank r reads the r-th contiguous share), so each layer's first call has the same input; no validation
 batches (their rows depend on dp by design: micro_batch_size x dp rows per batch), so every recorded call is a
-training step's.
+training step's."""
 from __future__ import annotations
 
 import argparse
