@@ -123,8 +123,8 @@ class _Float8Matmul(torch.autograd.Function):
         wq, ws = quantize(w, E4M3, -1 if rw else None, settings.group_for("w"), rw)
         y = scaled_mm(xq, wq.t(), xs, ws.t() if rw else ws, x.dtype)
         _record(record, x=xs, w=ws)
-        if rw:  # re-quantized along other axes in backward: keep the high-precision operands
-            ctx.save_for_backward(x, w)
+        if rw:  # re-quantized along other axes in backward: keep x and the master weight (no per-lap weight copy)
+            ctx.save_for_backward(x, weight)
         else:  # tensorwise: the same casts serve the backward's GEMMs
             ctx.save_for_backward(xq, wq, xs, ws)
         ctx.settings, ctx.record, ctx.weight_dtype = settings, record, weight.dtype
@@ -135,7 +135,8 @@ class _Float8Matmul(torch.autograd.Function):
         settings, record = ctx.settings, ctx.record
         grad = grad.contiguous()
         if settings.rowwise:
-            x, w = ctx.saved_tensors
+            x, weight = ctx.saved_tensors
+            w = weight.to(x.dtype)
             g, gs = quantize(grad, E4M3, -1, settings.group_for("g"), True)
             wt, wts = quantize(w, E4M3, 0, settings.group_for("wt"), True)
             dx = scaled_mm(g, column_major(wt), gs, wts, x.dtype)
