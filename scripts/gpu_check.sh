@@ -3,7 +3,10 @@
 # training step compiled with flash-attn under CUDA's sync debug mode (no host sync in the micro-batch loops, at most
 # one in the step: tests/gpu/test_gpu_step_sync.py), the trainer on CUDA in bf16 with a checkpoint written from GPU
 # tensors through pinned host buffers and read back bit for bit, the runtime's reductions on NCCL, and flash-attn
-# against PyTorch's SDPA (when flash-attn is installed: requirements-gpu.txt). Nothing is installed here: it uses
+# against PyTorch's SDPA (when flash-attn is installed: requirements-gpu.txt), and FP8 (tests/gpu/test_gpu_fp8.py):
+# the torchao-recipe layers against fp32 on parcae-140m at T = 1, 4, 8, the T-lap FP8 core against unrolled copies,
+# and Transformer Engine's blocks against the native ones (T = 1 and 4), its key mapping, its unrolled-copy gradient
+# and recompute (skipped, with the reason printed, where TE is not installed). Nothing is installed here: it uses
 # .venv when present, else $PYTHON (default python3), which must already have the packages of requirements.txt (with
 # torch's CUDA build). Then the attention kernels (flash-attn 2 and 3, TE) against SDPA, and the throughput of
 # parcae-770m at seq 2048 in bf16 (`megaloop bench`: tokens/s, MFU); its shards are made once from
@@ -21,12 +24,14 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 import importlib, torch
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, device {torch.cuda.get_device_name(0)}, "
       f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
-for name in ("flash_attn", "flash_attn_interface", "transformer_engine", "deepspeed"):
+for name in ("flash_attn", "flash_attn_interface", "transformer_engine.pytorch", "deepspeed"):
     try:
         mod = importlib.import_module(name)
         print(f"{name} {getattr(mod, '__version__', '?')}")
     except Exception as err:  # report, do not fail: the tests skip what is missing
         print(f"{name}: not available ({type(err).__name__})")
+major, minor = torch.cuda.get_device_capability(0)
+print(f"FP8 GEMMs (torch._scaled_mm): {'yes' if (major, minor) >= (8, 9) else 'no'} (sm{major}{minor}; sm89+ needed)")
 PYEOF
 export PYTHONUNBUFFERED=1
 status=0

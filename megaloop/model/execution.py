@@ -24,9 +24,12 @@ def check_checkpoint_mode(mode: str) -> str:
     return mode
 
 
-def maybe_checkpoint(enabled: bool, fn: Callable, *args):
-    """fn(*args), recomputed in backward when `enabled` and gradients are being recorded."""
+def maybe_checkpoint(enabled: bool, fn: Callable, *args, recompute: Callable | None = None):
+    """fn(*args), recomputed in backward when `enabled` and gradients are being recorded; `recompute(fn, *args)`
+    replaces torch's non-reentrant checkpoint when given (an FP8 backend that must restore its state, e.g. TE's)."""
     if enabled and torch.is_grad_enabled():
+        if recompute is not None:
+            return recompute(fn, *args)
         return checkpoint(fn, *args, use_reentrant=False)
     return fn(*args)
 

@@ -68,6 +68,7 @@ class LoopedLM(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.activation_checkpointing = "none"
+        self.checkpoint_function = None  # None: torch's; an FP8 backend may set its own (maybe_checkpoint's recompute)
         self.ragged_loop = True  # False: the masked loop (every row runs max n + max k laps), for comparison
         self.sequence_parts, self.sequence_shard = 1, None  # see set_sequence_shard
 
@@ -137,7 +138,7 @@ class LoopedLM(nn.Module):
         """The core blocks on x (each recomputed in backward under activation checkpointing "block")."""
         per_block = self.activation_checkpointing == "block"
         for block, ve in zip(self.core, core_ve):
-            x = maybe_checkpoint(per_block, block, x, rope, ve)
+            x = maybe_checkpoint(per_block, block, x, rope, ve, recompute=self.checkpoint_function)
         return x
 
     def _lap_body(self, h, term, coeffs, cos, sin, *core_ve) -> torch.Tensor:
@@ -150,7 +151,8 @@ class LoopedLM(nn.Module):
         cos, sin = ctx.rope
 
         def lap(h, term, *core_ve):
-            return maybe_checkpoint(whole, self._lap_body, h, term, coeffs, cos, sin, *core_ve)
+            return maybe_checkpoint(whole, self._lap_body, h, term, coeffs, cos, sin, *core_ve,
+                                    recompute=self.checkpoint_function)
 
         return lap
 
@@ -179,7 +181,8 @@ class LoopedLM(nn.Module):
         batch = input_ids.shape[0]
         plan = DepthPlan.make(self._default_depth(depth, batch), backprop_depth, batch)
         if self.injection is None:
-            h = maybe_checkpoint(self.activation_checkpointing == "lap", self.core_pass, e, ctx.rope, ctx.core_ve)
+            h = maybe_checkpoint(self.activation_checkpointing == "lap", self.core_pass, e, ctx.rope, ctx.core_ve,
+                                 recompute=self.checkpoint_function)
             telemetry = {"executed_steps": 1, "useful_steps": batch, "core_rows": batch}
         else:
             h, telemetry = self._loop(e, ctx, plan, h0, noise_key)

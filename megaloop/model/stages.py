@@ -236,7 +236,8 @@ class LoopedStageProgram:
         ids = self._ids(mb)[:rows]
         whole = self.model.activation_checkpointing == "lap"
         with self.autocast():
-            out = maybe_checkpoint(whole, self._segment, h, None if e is None else e[:rows], ids).to(self.dtype)
+            out = maybe_checkpoint(whole, self._segment, h, None if e is None else e[:rows], ids,
+                                   recompute=self.model.checkpoint_function).to(self.dtype)
         if self.stage == self.pp - 1 and lap == self.plans[mb].laps - 2:
             self._prev[mb] = out.detach()
         travels = self.pp > 1 and (self.stage < self.pp - 1 or lap < self.plans[mb].laps - 1)

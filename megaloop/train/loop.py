@@ -21,6 +21,7 @@ from megaloop.train.evaluate import default_val_depths, final_val_depths, valida
 from megaloop.train.flops import FlopModel
 from megaloop.train.hardware import bf16_support
 from megaloop.model.attention import resolve_attention_backend
+from megaloop.train.fp8 import with_fp8
 from megaloop.train.peak import PeakGuard, cpu_peak
 from megaloop.train.precision import PrecisionChoice, apply_optimizer_precision, param_dtype, resolve_precision
 from megaloop.train.metrics import MetricsWriter
@@ -171,6 +172,7 @@ def build_model_and_optimizer(cfg: Config, runtime: TrainerRuntime, device: torc
     names = runtime.held_parameter_names(model) if split else None
     fill = (held_parameters(cfg.model, cfg.train.seed, device, names, init_split(runtime)) if init else
             empty_parameters(device, names))
+    fill = with_fp8(fill, cfg.train, runtime)  # train.fp8: the split layers converted as each rank holds them
     if split:
         model = runtime.prepare_model(model, materialize=fill)
     else:
