@@ -159,9 +159,7 @@ class HttpStore:
             raise TransientError(_describe(err)) from None
 
     def read(self, name: str) -> bytes:
-        out = _Buffer()
-        self.download(name, out)
-        return bytes(out.data)
+        return read_by_download(self, name)
 
     def download(self, name: str, out: BinaryIO) -> int:
         with self._open(name) as response:
@@ -234,9 +232,7 @@ class S3Store:
             raise TransientError(_describe(err)) from None
 
     def read(self, name: str) -> bytes:
-        out = _Buffer()
-        self.download(name, out)
-        return bytes(out.data)
+        return read_by_download(self, name)
 
     def download(self, name: str, out: BinaryIO) -> int:
         def get():
@@ -257,6 +253,13 @@ class S3Store:
 
     def delete(self, name: str) -> None:
         self._call(name, lambda: self.client.delete_object(Bucket=self.bucket, Key=self.key(name)))
+
+
+def read_by_download(store: ByteStore, name: str) -> bytes:
+    """A whole object as bytes, through the store's own download (its retries, checks and byte counts)."""
+    out = _Buffer()
+    store.download(name, out)
+    return bytes(out.data)
 
 
 class _Buffer:
