@@ -81,7 +81,7 @@ class _FakeSaver:
     def __init__(self, results):
         self.results = results
 
-    def wait(self):
+    def wait(self, all_written=None):
         return None
 
     def take_results(self):
