@@ -5,9 +5,11 @@ optimizer state under `optim/...` (megaloop.optim.combined.sharded_state), plus 
 tokens seen, the saving layout, the data loader's position, the steps the learning-rate schedule spans (see
 megaloop.train.rerun.schedule_horizon), the optimizer's counters and AdamW step counts (the
 job's: under pipeline parallelism each rank's optimizer covers one stage, so they are merged over the ranks at save
-and each rank takes its parameters' at load; the stages' parameter names together must be the saved ones). With
-these, a resumed run repeats the uninterrupted one bit for bit: the depths, h_0 noise and data order are functions
-of (seed, step, sample index), and nothing else in the trainer carries state across steps.
+and each rank takes its parameters' at load; the stages' parameter names together must be the saved ones), and the
+state of the trainer's own stateful parts registered with :meth:`RunCheckpoints.track` (the loss-spike detector's
+window, whose decisions under train.on_spike=skip change the updates). With these, a resumed run repeats the
+uninterrupted one bit for bit: the depths, h_0 noise and data order are functions of (seed, step, sample index),
+and nothing else in the trainer carries state across steps.
 
 Where a run starts (:meth:`RunCheckpoints.restore`):
   1. the newest committed checkpoint under checkpoint.dir (default <train.out_dir>/checkpoints) that verifies, so
@@ -192,6 +194,15 @@ class RunCheckpoints:
         self.record = lambda record: None  # the run's metrics writer (set by the loop once it exists)
         self._checkpointer = None
         self._own: list[Path] | None = None
+        self._tracked: dict = {}  # name -> object with state_dict()/load_state_dict(), saved as metadata "trainer"
+        self._trainer_state: dict = {}  # the resumed checkpoint's "trainer" metadata, loaded by track()
+
+    def track(self, name: str, part) -> None:
+        """Save `part.state_dict()` (JSON-able, identical on every rank) with every checkpoint under `name`, and load
+        the resumed checkpoint's state into it now (call after restore(); a checkpoint without it leaves it fresh)."""
+        self._tracked[name] = part
+        if name in self._trainer_state:
+            part.load_state_dict(self._trainer_state[name])
 
     # ---- where the run starts --------------------------------------------------------------------------------
     def loads_weights(self) -> bool:
@@ -334,6 +345,7 @@ class RunCheckpoints:
         if hasattr(optimizer, "total_steps"):
             optimizer.total_steps = schedule_horizon(meta, self.cfg, int(reader.step), self._note)
         data.load_state_dict(meta["loader"])
+        self._trainer_state = dict(meta.get("trainer", {}))
         self.resumed_step = int(reader.step)
         self.tokens_before = int(meta.get("tokens", 0))
         self.last_saved_step = self.resumed_step
@@ -373,7 +385,8 @@ class RunCheckpoints:
         metadata = {"megaloop_checkpoint": METADATA_VERSION, "config": self.cfg.to_dict(),
                     "tokens": self.tokens_before + tokens_this_job, "layout": self.runtime.describe_layout(),
                     "loader": loader, "optimizer": scalars,
-                    "schedule_steps": getattr(optimizer, "total_steps", self.cfg.train.steps), "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    "schedule_steps": getattr(optimizer, "total_steps", self.cfg.train.steps),
+                    "trainer": {name: part.state_dict() for name, part in self._tracked.items()}, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                     "torch": torch.__version__}
         self.wait()  # the previous save: its outcome is reported before this one starts
         self._saver().save(step, pieces, metadata, refuse=refuse)

@@ -265,6 +265,7 @@ def _run_steps(cfg, model, optimizer, sampler, flop_model, data: DataSource, run
     batches = data.train_batches()
     consecutive_skips = 0
     spikes = SpikeMonitor(cfg.train, runtime)
+    ckpt.track("spike_detector", spikes)  # its window is saved, and restored from the resumed checkpoint
     timer = StepTimer(runtime.device)  # one over the steps: on a GPU each step's times are read at the next
     for step in range(summary.start_step, cfg.train.steps):
         t0 = time.perf_counter()

@@ -63,6 +63,13 @@ class SpikeDetector:
             return None
         return Spike(step, loss, median, mad, threshold)
 
+    def state_dict(self) -> dict:
+        return {"history": list(self.history)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.history.clear()
+        self.history.extend(float(x) for x in state["history"])  # the newest `window` if the window shrank
+
 
 class SpikeMonitor:
     """train.on_spike for the training loop: `veto` (skip only) judges a step before its update; `after_step` gives
@@ -74,6 +81,13 @@ class SpikeMonitor:
         self.runtime = runtime
         self._vetoed: Spike | None = None
         self.veto = self._veto if self.action == "skip" else None
+
+    def state_dict(self) -> dict:
+        """The detector's window: checkpointed, so that a resumed run judges its first steps as the straight run."""
+        return self.detector.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.detector.load_state_dict(state)
 
     @property
     def stops(self) -> bool:

@@ -90,3 +90,21 @@ def test_skip_drops_the_spike_steps_update(tiny_shards, tmp_path, lr_spike):
     skipped = {s["step"] for s in spikes}
     assert all(by_step[t]["skipped"] and math.isnan(by_step[t]["grad_norm"]) for t in skipped)
     assert not by_step[SPIKE_AT - 1]["skipped"]
+
+
+def test_skip_decisions_survive_a_resume(tiny_shards, tmp_path, lr_spike):
+    """The detector's window is checkpointed: a run stopped just before the spike and resumed skips the same update
+    as the straight run, and its losses are the straight run's bit for bit (a fresh window after the resume could
+    not judge the spike: it needs SPIKE_MIN_HISTORY losses)."""
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    _, records = _run(tiny_shards, straight, "skip")
+    cfg = load_config(TINY, fast_overrides(tiny_shards, stopped, steps=SPIKE_AT + 4) + [
+        "train.on_spike=skip", "train.val_every=1000", "train.spike_window=20", f"train.stop_at_step={SPIKE_AT - 2}"])
+    assert run_training(cfg) == 75
+    code, resumed = _run(tiny_shards, stopped, "skip")
+    assert code == 0
+    assert any(r["kind"] == "resume" and r["step"] == SPIKE_AT - 2 for r in resumed)
+    assert [r["step"] for r in resumed if r["kind"] == "spike"] == [r["step"] for r in records if r["kind"] == "spike"]
+    losses = {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+    after = {r["step"]: r["loss"] for r in resumed if r["kind"] == "train" and r["step"] >= SPIKE_AT - 2}
+    assert after and all(after[s] == losses[s] for s in after), (after, losses)
