@@ -15,7 +15,6 @@ numerics, not speed."""
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -23,36 +22,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.corpus_shards import build_shards, corpus_files  # noqa: E402
+
 RUNS = ("none", "tensorwise", "rowwise")
 TAIL = 20  # steps averaged for the final training loss
 TOL = 0.015  # the acceptance bound: final train and val losses within 1.5% of bf16's
-
-
-def corpus_files(corpus: str | None) -> list[Path]:
-    import os
-
-    if corpus is not None:
-        files = sorted(Path(corpus).glob("*.txt"))
-        if not files:
-            raise SystemExit(f"--corpus {corpus}: no .txt files there; pass a folder of plain-text documents")
-        return files
-    shared = Path(os.environ.get("MEGALOOP_SHARED", REPO.parent / "shared"))
-    return (sorted((shared / "data" / "corpus" / "chapters").glob("*.txt"))
-            or sorted((REPO / "data" / "sample_corpus").glob("*.txt")))
-
-
-def build_shards(files: list[Path], root: Path) -> Path:
-    from data_prep.prepare import ShardOptions, prepare_shards
-    from data_prep.tokenizer import train_tokenizer
-
-    corpus = root / "corpus"
-    corpus.mkdir(parents=True)
-    for f in files:
-        shutil.copy(f, corpus / f.name)
-    train_tokenizer(corpus, root / "tok", vocab_size=4096, progress=False)
-    prepare_shards(corpus, root / "tok", root / "shards",
-                   ShardOptions(seq_len=128, val_fraction=0.05, shard_size=1024, progress=False))
-    return root / "shards"
 
 
 def train_run(shards: Path, out: Path, fp8: str, steps: int, extra: list[str]):
@@ -146,7 +120,8 @@ def main(argv=None) -> int:
     else:
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)
-            shards = build_shards(corpus_files(a.corpus), root)
+            shards = build_shards(corpus_files(a.corpus, chapters=None), root, vocab=4096, seq_len=128,
+                                  val_fraction=0.05, shard_size=1024)
             summaries = {}
             for fp8 in tqdm([a.run] if a.run else RUNS, desc="runs"):
                 summaries[fp8] = train_run(shards, root / f"run-{fp8}", fp8, a.steps, a.overrides)

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from benchmarks.pipeline_equivalence import build_shards, corpus_files  # noqa: E402
+from benchmarks.corpus_shards import build_shards, corpus_files  # noqa: E402
 from tests.pipeline.spawn import spawn  # noqa: E402
 from tests.pipeline.workers_fp8 import compare_runs, fp8_run, layout_overrides, worker  # noqa: E402
 from tests.pipeline.workers_train import ReferenceRuntime  # noqa: E402
