@@ -3,8 +3,8 @@
 Prints per layout the worst per-step loss difference (relative) and how many of the FP8 layers' scales (input,
 weight, output gradient) are bit-identical to the single process's: each layer's first call, and every call of the
 run (each call's scale matched in the single process's calls of the same layer and role, as a multiset, since a
-pipeline schedule runs the same calls in another order; row-wise weight scales of column-parallel layers are
-per-rank pieces and appear among the first-call ones only, gathered).
+pipeline schedule runs the same calls in another order; row-wise weight scales of column-parallel layers, per-rank
+pieces, are gathered whole first).
 
     python benchmarks/fp8_layouts.py [--steps 10] [--recipes tensorwise rowwise] [--precisions fp32 fp64]
                                      [--roundings auto pow2] [--layouts tp2 dp2 pp2 tp2xdp2]

@@ -1,6 +1,7 @@
 """Worker of the FP8 layout tests: megaloop's trainer with train.fp8 on several layouts in turn inside one
-torch.distributed world; returns per-step losses and every FP8 layer's first-call scales as one process holds them
-(row-wise weight scales of column-parallel layers gathered over tp, every pipeline stage's layers merged)."""
+torch.distributed world; returns per-step losses and every FP8 layer's first-call scales and every call's scales as
+one process holds them (row-wise weight scales of column-parallel layers gathered over tp, every pipeline stage's
+layers merged)."""
 from __future__ import annotations
 
 from collections import Counter
@@ -26,7 +27,9 @@ def held_scales(runtime) -> dict[str, torch.Tensor]:
             if role == "calls":  # every call's, as a sorted multiset per role (a schedule may reorder calls)
                 for r in ("x", "w", "g"):
                     mine = [s for rr, s in scale if rr == r]
-                    if mine and not (r == "w" and layer.fp8.rowwise and layer.fp8.split == "column"):
+                    if mine and r == "w" and layer.fp8.rowwise and layer.fp8.split == "column":  # gathered, whole
+                        mine = [gather_full(s, shards.get(f"{name}.weight"), group) for s in mine]
+                    if mine:
                         local[f"{name}.{r}.calls"] = sorted(tuple(s.flatten().tolist()) for s in mine)
                 continue
             if scale.dim() and role == "w" and layer.fp8.split == "column":  # this rank's rows' scales
