@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from benchmarks.pipeline_equivalence import build_shards, corpus_files  # noqa: E402
+from benchmarks.corpus_shards import build_shards, corpus_files  # noqa: E402
 from tests.pipeline.spawn import spawn  # noqa: E402
 import tests.pipeline.test_layout_equivalence as suite  # noqa: E402
 from tests.pipeline.test_layout_equivalence import MATRIX, TINY, compare, layout_runs, reference_run  # noqa: E402

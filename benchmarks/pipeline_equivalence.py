@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -35,39 +34,9 @@ import torch  # noqa: E402
 
 from tests.pipeline.pp_equivalence import (FP32_LOSS_TOL, LAYOUTS, TINY, TOL, describe, failures,  # noqa: E402
                                            layout_runs, measure, references)
+from benchmarks.corpus_shards import build_shards, corpus_files  # noqa: E402
 from tests.pipeline.spawn import spawn  # noqa: E402
 from tests.pipeline.workers_pp import worker  # noqa: E402
-
-CHAPTERS = 24
-
-
-def corpus_files(corpus: str | None) -> list[Path]:
-    """The text files to build the shards from: --corpus's, else the shared corpus's first 24 chapters, else the
-    bundled sample corpus."""
-    if corpus is not None:
-        files = sorted(Path(corpus).glob("*.txt"))
-        if not files:
-            raise SystemExit(f"--corpus {corpus}: no .txt files there; pass a folder of plain-text documents")
-        return files
-    shared = Path(os.environ.get("MEGALOOP_SHARED", REPO.parent / "shared"))
-    chapters = sorted((shared / "data" / "corpus" / "chapters").glob("*.txt"))[:CHAPTERS]
-    return chapters or sorted((REPO / "data" / "sample_corpus").glob("*.txt"))
-
-
-def build_shards(files: list[Path], root: Path) -> Path:
-    """Shards of 33-token rows (vocab 512) of files, with data_prep's own API (as tests/conftest.py's tiny_shards)."""
-    from data_prep.prepare import ShardOptions, prepare_shards
-    from data_prep.tokenizer import train_tokenizer
-
-    corpus = root / "corpus"
-    corpus.mkdir(parents=True)
-    for f in files:
-        shutil.copy(f, corpus / f.name)
-    train_tokenizer(corpus, root / "tok", vocab_size=512, progress=False)
-    prepare_shards(corpus, root / "tok", root / "shards",
-                   ShardOptions(seq_len=32, val_fraction=0.1, shard_size=256, progress=False))
-    return root / "shards"
-
 
 def parse_layouts(text: str) -> list[str]:
     labels = [label.strip() for label in text.split(",") if label.strip()]

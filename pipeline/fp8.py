@@ -31,6 +31,25 @@ gradient, likewise) needs nothing. Which operand is split along which axis:
 The tokens are never split inside a linear layer, so the weight-gradient GEMM (contraction over tokens) never reduces.
 Under pipeline parallelism a stage's layers are the single process's layers: nothing to do.
 
+Scale rounding (torchao's round_scales_to_power_of_2): "auto" follows the recipe as torchao's do (tensorwise: the
+scale as computed; rowwise: rounded down to a power of 2), "pow2" and "none" force it. A power-of-2 scale makes the
+scaling exact (a multiplication by 2^k changes no significand) and does not move when the amax moves by an ulp.
+
+Exact GEMMs in float64 (the precision in which layouts are proven equivalent). torch._scaled_mm on CPU accumulates
+in fp32 whatever the output dtype, so a contraction split over tp ranks and summed after (row-parallel forward,
+column-parallel dgrad) differs from one process's in its fp32 roundings. With a float64 output the GEMM is instead
+computed exactly: the FP8 operands' values are cast to float64 (exact), multiplied in float64, and the (inverse)
+scales are applied to the result. An e4m3 value is n * 2^-9 with |n| <= 448 * 2^9 < 2^17.81, so a product of two is
+a multiple of 2^-18 below 2^35.62 * 2^-18, and every partial sum of K of them is a multiple of 2^-18 below
+K * 2^35.62 * 2^-18: representable in float64 (53 bits) for K <= 2^17 = 131072, i.e. exact whatever the split or
+order of the contraction. An e5m2 value (tensorwise's gradient) is n * 2^-16 with |n| < 2^31.81, so an e5m2 x e4m3
+product is a multiple of 2^-25 below 2^49.62 * 2^-25: that guarantee holds only for K <= 10. Beyond it a sum stays
+exact unless one dot product mixes products more than ~2^48 apart (factors near both formats' subnormal ends beside
+factors near their maxima); such a sum is rounded in float64 (2^-53 relative) and may depend on the order, i.e. a
+layout may then differ from one process by an ulp in a tensorwise dgrad (not the forward, not rowwise). With
+power-of-2 scales the scaling is exact too, so a split FP8 GEMM summed over ranks gives one process's bits; with
+other scales, (S0 + S1) * c and S0 * c + S1 * c may differ by an ulp.
+
 The GEMM shapes FP8 takes: both weight dimensions multiples of 16 (layers that are not are left in high precision
 and listed by the conversion); the token count is padded with zero rows to a multiple of 16 when needed (zeros change
 neither an amax nor a sum).
@@ -50,6 +69,7 @@ from pipeline.collectives import exit_row_region
 from pipeline.tensor_parallel import ColumnParallelLinear, RowParallelLinear, take_over
 
 RECIPES = ("tensorwise", "rowwise")
+SCALE_ROUNDINGS = ("auto", "pow2", "none")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 EPS = 1e-12  # torchao's floor under an amax (an all-zero tensor gets a finite scale)
 ALIGN = 16  # FP8 GEMM dimensions must be multiples of this
@@ -72,6 +92,7 @@ class Float8Settings:
     recipe: str
     split: str | None = None
     group: object = None
+    scale_rounding: str = "auto"  # auto (the recipe's: rowwise pow2, tensorwise none) | pow2 | none
 
     def group_for(self, role: str):
         if self.group is None or self.split is None:
@@ -81,6 +102,10 @@ class Float8Settings:
     @property
     def rowwise(self) -> bool:
         return self.recipe == "rowwise"
+
+    @property
+    def pow2(self) -> bool:
+        return self.scale_rounding == "pow2" or (self.scale_rounding == "auto" and self.rowwise)
 
 
 def quantize(t: torch.Tensor, dtype: torch.dtype, dim: int | None, group, pow2: bool):
@@ -105,11 +130,20 @@ def column_major(t: torch.Tensor) -> torch.Tensor:
 
 def scaled_mm(a, b, scale_a, scale_b, out_dtype: torch.dtype) -> torch.Tensor:
     """a @ b from fp8 operands and their scales (dequantised by the inverse scales). CUDA's row-wise kernels write
-    bf16 only: another dtype is cast from it there."""
+    bf16 only: another dtype is cast from it there. A float64 output is computed exactly (module docstring)."""
+    if out_dtype == torch.float64:
+        return exact_mm(a, b, scale_a, scale_b)
     rowwise = scale_a.numel() > 1 or scale_b.numel() > 1
     direct = out_dtype if not (a.is_cuda and rowwise) else torch.bfloat16
     out = torch._scaled_mm(a, b, scale_a=scale_a.reciprocal(), scale_b=scale_b.reciprocal(), out_dtype=direct)
     return out.to(out_dtype)
+
+
+def exact_mm(a, b, scale_a, scale_b) -> torch.Tensor:
+    """a @ b in float64 from fp8 operands: the products and their sums are exact within the bounds of the module
+    docstring, then the inverse scales (the ones _scaled_mm is given) are applied, a's then b's."""
+    acc = a.to(torch.float64) @ b.to(torch.float64)
+    return acc * scale_a.reciprocal().to(torch.float64) * scale_b.reciprocal().to(torch.float64)
 
 
 class _Float8Matmul(torch.autograd.Function):
@@ -117,10 +151,10 @@ class _Float8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, settings: Float8Settings, record: dict):
-        rw = settings.rowwise
+        rw, pow2 = settings.rowwise, settings.pow2
         w = weight.to(x.dtype)
-        xq, xs = quantize(x, E4M3, -1 if rw else None, settings.group_for("x"), rw)
-        wq, ws = quantize(w, E4M3, -1 if rw else None, settings.group_for("w"), rw)
+        xq, xs = quantize(x, E4M3, -1 if rw else None, settings.group_for("x"), pow2)
+        wq, ws = quantize(w, E4M3, -1 if rw else None, settings.group_for("w"), pow2)
         y = scaled_mm(xq, wq.t(), xs, ws.t() if rw else ws, x.dtype)
         _record(record, x=xs, w=ws)
         if rw:  # re-quantized along other axes in backward: keep x and the master weight (no per-lap weight copy)
@@ -133,19 +167,20 @@ class _Float8Matmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         settings, record = ctx.settings, ctx.record
+        pow2 = settings.pow2
         grad = grad.contiguous()
         if settings.rowwise:
             x, weight = ctx.saved_tensors
             w = weight.to(x.dtype)
-            g, gs = quantize(grad, E4M3, -1, settings.group_for("g"), True)
-            wt, wts = quantize(w, E4M3, 0, settings.group_for("wt"), True)
+            g, gs = quantize(grad, E4M3, -1, settings.group_for("g"), pow2)
+            wt, wts = quantize(w, E4M3, 0, settings.group_for("wt"), pow2)
             dx = scaled_mm(g, column_major(wt), gs, wts, x.dtype)
-            gt, gts = quantize(grad, E4M3, 0, None, True)
-            xt, xts = quantize(x, E4M3, 0, None, True)
+            gt, gts = quantize(grad, E4M3, 0, None, pow2)
+            xt, xts = quantize(x, E4M3, 0, None, pow2)
             dw = scaled_mm(gt.t().contiguous(), column_major(xt), gts.t().contiguous(), xts, ctx.weight_dtype)
         else:
             xq, wq, xs, ws = ctx.saved_tensors
-            g, gs = quantize(grad, E5M2, None, settings.group_for("g"), False)
+            g, gs = quantize(grad, E5M2, None, settings.group_for("g"), pow2)
             dx = scaled_mm(g, column_major(wq), gs, ws, grad.dtype)
             dw = scaled_mm(g.t().contiguous(), column_major(xq), gs, xs, ctx.weight_dtype)
         _record(record, g=gs)
@@ -223,12 +258,15 @@ def split_of(module: nn.Module) -> str | None:
     return None
 
 
-def convert_to_float8(model: nn.Module, recipe: str, include: tuple[str, ...], tp_group=None) -> Float8Report:
+def convert_to_float8(model: nn.Module, recipe: str, include: tuple[str, ...], tp_group=None,
+                      scale_rounding: str = "auto") -> Float8Report:
     """Swap the linear layers of `model` whose qualified names match an fnmatch pattern of `include` for FP8 ones
     (in place; see the module docstring). tp_group: the tensor-parallel group the split layers' amaxes are reduced
     over (None: one process). Layers with a bias or a dimension that is not a multiple of 16 are skipped."""
     if recipe not in RECIPES:
         raise ValueError(f"fp8 recipe {recipe!r}: use one of {RECIPES}")
+    if scale_rounding not in SCALE_ROUNDINGS:
+        raise ValueError(f"fp8 scale rounding {scale_rounding!r}: use one of {SCALE_ROUNDINGS}")
     report = Float8Report(recipe)
     for name, module in list(model.named_modules()):
         if type(module) not in LINEAR_TYPES or not any(fnmatch.fnmatchcase(name, p) for p in include):
@@ -239,7 +277,7 @@ def convert_to_float8(model: nn.Module, recipe: str, include: tuple[str, ...], t
             report.skipped.append(f"{name} ({why})")
             continue
         split = split_of(module)
-        settings = Float8Settings(recipe, split, tp_group if split else None)
+        settings = Float8Settings(recipe, split, tp_group if split else None, scale_rounding)
         new = take_over(float8_class(type(module)), module, fp8=settings, fp8_scales={})
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent), leaf, new)

@@ -140,6 +140,7 @@ class TrainConfig:
     fp8: str = "none"  # none | tensorwise | rowwise: the core's linear layers in FP8, current scaling (pipeline/fp8.py)
     fp8_backend: str = "torchao"  # torchao (torchao's recipes on torch._scaled_mm, CPU and GPU) | te (GPU only)
     fp8_prelude_coda: bool = False  # also the prelude's and coda's linear layers (head, embeddings, injection: never)
+    fp8_scale_rounding: str = "auto"  # auto (torchao's recipes: rowwise pow2, tensorwise none) | pow2 | none
 
     def validate(self) -> None:
         if self.steps < 1:
@@ -150,6 +151,10 @@ class TrainConfig:
         check_choice("train.activation_checkpointing", self.activation_checkpointing, ("none", "block", "lap"))
         check_choice("train.fp8", self.fp8, ("none", "tensorwise", "rowwise"))
         check_choice("train.fp8_backend", self.fp8_backend, ("torchao", "te"))
+        check_choice("train.fp8_scale_rounding", self.fp8_scale_rounding, ("auto", "pow2", "none"))
+        if self.fp8_scale_rounding != "auto" and self.fp8_backend == "te":
+            raise ConfigError("train.fp8_scale_rounding", self.fp8_scale_rounding, "the te backend runs Transformer "
+                              "Engine's Float8CurrentScaling as it is: use auto, or train.fp8_backend=torchao")
         if self.fp8 == "rowwise" and self.fp8_backend == "te":
             raise ConfigError("train.fp8", self.fp8, "Transformer Engine runs tensorwise current scaling in the loop "
                               "(Float8CurrentScaling): set train.fp8=tensorwise, or train.fp8_backend=torchao")

@@ -26,7 +26,7 @@ def convert_model(model, train_cfg, tp_group=None):
         return convert_to_te(model, fp8_patterns(train_cfg), tp_group)
     from pipeline.fp8 import convert_to_float8
 
-    return convert_to_float8(model, train_cfg.fp8, fp8_patterns(train_cfg), tp_group)
+    return convert_to_float8(model, train_cfg.fp8, fp8_patterns(train_cfg), tp_group, train_cfg.fp8_scale_rounding)
 
 
 def with_fp8(fill, train_cfg, runtime):

@@ -4,13 +4,14 @@ the conversion leaving parameter names alone. parcae-140m itself at T = 1, 4, 8 
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
 from torch import nn
 
 from megaloop.model import build_model
-from pipeline.fp8 import Float8Linear, convert_to_float8, first_scales
+from pipeline.fp8 import E4M3, E5M2, Float8Linear, convert_to_float8, first_scales, quantize, scaled_mm
 from tests.model.helpers import small_config
 from tests.pipeline.fp8_numerics import batch, fp8_vs_fp32, looped_vs_unrolled, nonzero_projections_
 
@@ -105,12 +106,42 @@ def test_bad_fp8_settings_are_one_line_config_errors():
     from megaloop.config import load_config
     from tests.train.conftest import TINY
 
-    for override, allowed in (("train.fp8=e4m3", "none, tensorwise, rowwise"),
-                              ("train.fp8_backend=apex", "torchao, te")):
+    for overrides, allowed in ((["train.fp8=e4m3"], "none, tensorwise, rowwise"),
+                               (["train.fp8_backend=apex"], "torchao, te"),
+                               (["train.fp8_scale_rounding=nearest"], "auto, pow2, none"),
+                               (["train.fp8_backend=te", "train.fp8_scale_rounding=pow2"], "use auto")):
         with pytest.raises(ValueError) as err:
-            load_config(str(TINY), [override])
+            load_config(str(TINY), overrides)
         message = str(err.value)
-        assert message.startswith(f"config error: {override.split('=')[0]}=") and allowed in message
+        assert message.startswith(f"config error: {overrides[-1].split('=')[0]}=") and allowed in message
         assert "\n" not in message
     with pytest.raises(ValueError, match="fp8 recipe"):
         convert_to_float8(nn.Sequential(nn.Linear(16, 16, bias=False)), "delayed", ("*",))
+
+
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_float64_fp8_gemm_is_exact_whatever_the_split(rowwise):
+    """In float64 an FP8 GEMM is exact (pipeline/fp8.py's bound), so the contraction split in 2 or 4 parts and summed
+    in any order gives the whole GEMM's bits when the scales are powers of 2: checked against a correctly rounded
+    sum (math.fsum) of the exact products, for e4m3 x e4m3 (forward) and e5m2 x e4m3 (tensorwise dgrad) operands."""
+    g = torch.Generator().manual_seed(5)
+    m, k, n = 16, 512, 16
+    x = torch.randn(m, k, generator=g, dtype=torch.float64) * torch.logspace(-3, 3, k, dtype=torch.float64)
+    w = torch.randn(n, k, generator=g, dtype=torch.float64)
+    dim = -1 if rowwise else None
+    wq, ws = quantize(w, E4M3, dim, None, True)
+    for fmt in (E4M3, E5M2):
+        xq, xs = quantize(x, fmt, dim, None, True)
+        sb = ws.t() if rowwise else ws
+        whole = scaled_mm(xq, wq.t(), xs, sb, torch.float64)
+        exact = torch.tensor([[math.fsum(a * b for a, b in zip(xq[i].double().tolist(), wq[j].double().tolist()))
+                               for j in range(n)] for i in range(m)], dtype=torch.float64)
+        exact = exact * xs.reciprocal().double() * sb.reciprocal().double()
+        assert torch.equal(whole, exact)
+        for parts in (2, 4):
+            pieces = [scaled_mm(a, b, xs, sb, torch.float64) for a, b in zip(xq.chunk(parts, 1), wq.t().chunk(parts))]
+            assert torch.equal(sum(pieces), whole) and torch.equal(sum(reversed(pieces)), whole)
+        fp32_acc = [torch._scaled_mm(a, b, scale_a=xs.reciprocal(), scale_b=sb.reciprocal(), out_dtype=torch.float64)
+                    for a, b in zip(xq.chunk(2, 1), wq.t().chunk(2))]
+        print(f"rowwise={rowwise} {fmt}: exact; torch._scaled_mm (CPU) split in 2 vs whole: "
+              f"{(sum(fp32_acc) != whole).sum().item()} / {whole.numel()} outputs differ")

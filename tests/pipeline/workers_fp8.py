@@ -1,7 +1,10 @@
 """Worker of the FP8 layout tests: megaloop's trainer with train.fp8 on several layouts in turn inside one
-torch.distributed world; returns per-step losses and every FP8 layer's first-call scales as one process holds them
-(row-wise weight scales of column-parallel layers gathered over tp, every pipeline stage's layers merged)."""
+torch.distributed world; returns per-step losses and every FP8 layer's first-call scales and every call's scales as
+one process holds them (row-wise weight scales of column-parallel layers gathered over tp, every pipeline stage's
+layers merged)."""
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 from torch import nn
@@ -24,7 +27,9 @@ def held_scales(runtime) -> dict[str, torch.Tensor]:
             if role == "calls":  # every call's, as a sorted multiset per role (a schedule may reorder calls)
                 for r in ("x", "w", "g"):
                     mine = [s for rr, s in scale if rr == r]
-                    if mine and not (r == "w" and layer.fp8.rowwise and layer.fp8.split == "column"):
+                    if mine and r == "w" and layer.fp8.rowwise and layer.fp8.split == "column":  # gathered, whole
+                        mine = [gather_full(s, shards.get(f"{name}.weight"), group) for s in mine]
+                    if mine:
                         local[f"{name}.{r}.calls"] = sorted(tuple(s.flatten().tolist()) for s in mine)
                 continue
             if scale.dim() and role == "w" and layer.fp8.split == "column":  # this rank's rows' scales
@@ -52,11 +57,37 @@ def fp8_run(config_path: str, overrides: list[str], runtime_factory=traced_runti
     return {"losses": summary.losses, "scales": held_scales(runtime)}
 
 
+def layout_overrides(shards, out_dir, recipe: str, precision: str, steps: int, rounding: str = "auto") -> list[str]:
+    """parcae-tiny at vocab 512, 32-token rows, 16 rows per step in micro-batches of 2, FP8 on; every layout reads
+    the single process's micro-batches (no depth buckets, dp_balance=rows) and no validation batches run (their rows
+    depend on dp by design), so every recorded call is a training step's."""
+    return [f"data.shards={shards}", f"train.out_dir={out_dir}", f"train.steps={steps}", "model.vocab_size=512",
+            "model.seq_len=32", "data.micro_batch_size=2", "data.global_batch_size=16", "data.val_batches=0",
+            "train.val_every=1000", "train.progress=false", f"train.precision={precision}",
+            f"train.fp8={recipe}", f"train.fp8_scale_rounding={rounding}", "train.bucket_depths=false",
+            "parallel.dp_balance=rows", "checkpoint.every=0"]
+
+
+def compare_runs(got: dict, ref: dict) -> dict:
+    """A run's losses and scales (fp8_run) against the single process's: the worst relative loss difference, the
+    first-call scales (all, and the weights') bit-identical, and every call's scale found bit-identical among the
+    single process's calls of the same layer and role (a multiset: a pipeline schedule reorders calls)."""
+    loss = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"]))
+    first = {k: v for k, v in ref["scales"].items() if not k.endswith(".calls")}
+    same = [k for k, v in first.items() if k in got["scales"] and torch.equal(got["scales"][k], v)]
+    weights = [k for k in first if k.endswith(".w")]
+    calls = {k: v for k, v in ref["scales"].items() if k.endswith(".calls")}
+    calls_equal = sum(sum((Counter(v) & Counter(got["scales"].get(k, []))).values()) for k, v in calls.items())
+    return {"loss_rel": loss, "scales_equal": len(same), "scales": len(first),
+            "calls_equal": calls_equal, "calls": sum(len(v) for v in calls.values()),
+            "weight_scales_equal": sum(k in same for k in weights), "weight_scales": len(weights),
+            "missing": sorted(set(first) - set(got["scales"]))}
+
+
 def worker(rank: int, world: int, config_path: str, runs: dict, out_path: str) -> None:
     results = {label: fp8_run(config_path, overrides) for label, overrides in runs.items()}
     if rank == 0:
         torch.save(results, out_path)
-
 
 
 def _mlp_scales(mlp, x, grad, group, shards) -> tuple[dict, torch.Tensor]:
@@ -113,3 +144,9 @@ def tp_scales_worker(rank: int, world: int, out_path: str) -> None:
                     "y_err": ((y - cut(y_want)).abs().max() / y_want.abs().max()).item()}
     if rank == 0:
         torch.save(results, out_path)
+
+
+def tp2_worker(rank: int, world: int, mlp_out: str, config_path: str, runs: dict, runs_out: str) -> None:
+    """tp_scales_worker, then the trainer runs of `worker`, in one world (one start-up for both tests)."""
+    tp_scales_worker(rank, world, mlp_out)
+    worker(rank, world, config_path, runs, runs_out)
