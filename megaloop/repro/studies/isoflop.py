@@ -33,7 +33,7 @@ SIZES = {
     "smoke": Size(("model.d_model=32", "model.n_heads=2", "data.micro_batch_size=4", "data.global_batch_size=4",
                    "data.val_batches=2"),
                   (1, 2, 4), (4e10, 8e10), 50),
-    "full": Size(("data.global_batch_size=8",), (1, 2, 4, 8), (6e11, 1.2e12, 2.4e12), 500),
+    "full": Size(("data.global_batch_size=8",), (1, 2, 4, 8), (3e11, 6e11, 1.2e12), 500),
 }
 
 # every point: the paper's truncated backprop (mu_bwd = ceil(mu_rec / 2)); one validation, at the end, at T = mu_rec
