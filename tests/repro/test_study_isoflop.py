@@ -2,6 +2,7 @@
 and the analysis of summaries drawn from a known compute-optimal law recovers that law."""
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -37,10 +38,14 @@ def flops_per_token(point) -> tuple[float, int]:
     return per_token, cfg.data.global_batch_size * s
 
 
-@pytest.mark.parametrize("name", ["smoke", "full"])
-def test_points_spend_their_budget(name):
-    points = STUDY.points(scale(name))
-    assert points == STUDY.points(scale(name))
+@pytest.mark.parametrize("name,shape", [("smoke", {}), ("full", {}),
+                                        ("smoke", {"seq_len": 32, "vocab_size": 512, "budget": 1.0})])
+def test_points_spend_their_budget(name, shape):
+    sc = SimpleNamespace(**scale(name).__dict__, **shape)  # a scale whose shards fix the rows and vocabulary
+    points = STUDY.points(sc)
+    assert points == STUDY.points(sc)
+    if shape:
+        assert all("model.seq_len=32" in p.overrides and "model.vocab_size=512" in p.overrides for p in points)
     size = isoflop.SIZES[name]
     assert sorted({p.labels["mu_rec"] for p in points}) == list(size.mu_values)
     assert len(points) == len(size.mu_values) * len(size.budgets) == len({p.name for p in points})

@@ -25,7 +25,8 @@ PAPER = {"gamma_mu": 0.40, "gamma_D": 0.78}
 class Size:
     model: tuple[str, ...]     # overrides of the model and batch, every point
     mu_values: tuple[int, ...]
-    budgets: tuple[float, ...]  # training FLOPs (megaloop convention: useful FLOPs at the nominal depth mu_rec)
+    budgets: tuple[float, ...]  # training FLOPs (megaloop convention: useful FLOPs at the nominal depth mu_rec);
+    #                             full: times Scale.budget where the scale has one (--budget-minutes)
     boot: int                   # bootstrap resamples of the isoFLOP fit
 
 
@@ -39,6 +40,12 @@ SIZES = {
 # every point: the paper's truncated backprop (mu_bwd = ceil(mu_rec / 2)); one validation, at the end, at T = mu_rec
 FIXED = ("model.mu_bwd=null",)
 FLOPS_TOLERANCE = 0.5  # a point's trained FLOPs are within half a step of its budget (steps are whole)
+
+
+def data_shape(scale: Scale) -> tuple[str, ...]:
+    """The scale's shards fix the vocabulary and the row length (the runner sets them on every point first); the
+    FLOPs per token depend on both, so the points name them too."""
+    return tuple(f"model.{k}={getattr(scale, k)}" for k in ("vocab_size", "seq_len") if hasattr(scale, k))
 
 
 def flop_costs(config: str, overrides: tuple[str, ...], mu_values: tuple[int, ...]) -> dict:
@@ -63,10 +70,11 @@ class IsoFlopStudy:
         from slurm.sweep import grid
 
         size = SIZES[scale.name]
-        base = (*size.model, *FIXED)
+        base = (*data_shape(scale), *size.model, *FIXED)
         costs = flop_costs(CONFIG, base, size.mu_values)
+        budgets = [b * (getattr(scale, "budget", 1.0) if scale.name == "full" else 1.0) for b in size.budgets]
         out = []
-        for g in grid(list(size.mu_values), list(size.budgets), costs, "", FIXED):
+        for g in grid(list(size.mu_values), budgets, costs, "", FIXED):
             extra = tuple(o for o in g.overrides if o not in FIXED)  # model.mu_rec, train.steps
             out.append(Point(self.name, Path(g.out_dir).name, CONFIG,
                              (*base, *extra, f"train.val_every={g.steps}", f"train.val_depths=[{g.mu_rec}]"),

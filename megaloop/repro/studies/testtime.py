@@ -20,7 +20,7 @@ CONFIG = "configs/parcae-tiny.yaml"
 class Size:
     model: tuple[str, ...]    # overrides of the model and batch
     mu_rec: int
-    steps: int
+    steps: int                # full: times Scale.budget where the scale has one (--budget-minutes)
     seeds: tuple[int, ...]    # one model per seed: the form chosen on each, to see whether the choice is robust
     depths: tuple[int, ...]   # evaluation depths, 1 .. at least 4 mu_rec
     boot: int                 # bootstrap resamples of the full-range fits
@@ -29,7 +29,7 @@ class Size:
 SIZES = {
     "smoke": Size(("model.d_model=32", "model.n_heads=2", "data.micro_batch_size=4", "data.global_batch_size=4",
                    "data.val_batches=2"), 2, 30, (0,), (1, 2, 3, 4, 6, 8), 20),
-    "full": Size((), 4, 400, (0, 1), (1, 2, 3, 4, 6, 8, 12, 16), 200),
+    "full": Size((), 4, 400, (0,), (1, 2, 3, 4, 6, 8, 12, 16), 200),
 }
 
 
@@ -40,10 +40,11 @@ class TestTimeStudy:
     def points(self, scale: Scale) -> list[Point]:
         size = SIZES[scale.name]
         mu = size.mu_rec
+        steps = max(10, round(size.steps * getattr(scale, "budget", 1.0))) if scale.name == "full" else size.steps
         return [Point(self.name, f"parcae-mu{mu}-seed{seed}", CONFIG,
-                      (*size.model, f"model.mu_rec={mu}", f"train.steps={size.steps}", f"train.seed={seed}",
-                       f"train.val_every={size.steps}", f"train.val_depths=[{mu}]"),
-                      eval_depths=size.depths, labels={"mu_rec": mu, "seed": seed, "steps": size.steps})
+                      (*size.model, f"model.mu_rec={mu}", f"train.steps={steps}", f"train.seed={seed}",
+                       f"train.val_every={steps}", f"train.val_depths=[{mu}]"),
+                      eval_depths=size.depths, labels={"mu_rec": mu, "seed": seed, "steps": steps})
                 for seed in size.seeds]
 
     def analyse(self, scale: Scale, runs: Artifacts, out: Writer) -> None:
