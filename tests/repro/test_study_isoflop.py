@@ -101,7 +101,7 @@ def test_analysis_recovers_the_exponent_of_mu_star(tmp_path, monkeypatch):
     low = rendered["exponent of mu* = k C^gamma_mu (least squares in log-log over the budgets' vertices) (ci_low, bootstrap)"]
     high = rendered["exponent of mu* = k C^gamma_mu (least squares in log-log over the budgets' vertices) (ci_high, bootstrap)"]
     assert low <= gamma <= high and high - low < 0.01  # exact parabolas: the usable resamples agree
-    assert "contains the paper's 0.4" in out.markdown
+    assert "contains the paper's 0.4" in out.markdown and "Disagreement with the paper" not in out.markdown
     assert all(s.run.startswith("runs/isoflop/") and s.file in ("summary.json", "config.json")
                for v in out.values for s in v.sources)
     assert out.figures and out.figures[0].read_bytes()[:4] == b"\x89PNG"
@@ -113,6 +113,14 @@ def test_a_falling_optimum_is_reported_as_a_disagreement(tmp_path):
     out = FakeWriter(tmp_path / "figures")
     isoflop.write_section(points, 10, FakeArtifacts(tmp_path), out)
     assert "disagrees with the paper's 0.4" in out.markdown
+
+
+def test_an_optimum_below_the_grid_is_reported_as_a_disagreement(tmp_path):
+    points = STUDY.points(scale("full", tmp_path))
+    fake_runs(tmp_path, points, mu_star=lambda c: 0.6 * (c / 1.2e12) ** 0.2)
+    out = FakeWriter(tmp_path / "figures")
+    isoflop.write_section(points, 0, FakeArtifacts(tmp_path), out)
+    assert "**Disagreement with the paper**: at every budget the lowest loss is at the smallest mu_rec" in out.markdown
 
 
 def test_one_budget_is_not_enough_points(tmp_path):

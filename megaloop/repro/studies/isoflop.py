@@ -260,6 +260,16 @@ def _verdict(fit, groups, data, budget_of, params, runs, out) -> None:
     if edge:
         lines.append(f"- At budget(s) {', '.join(edge)} the vertex in mu_rec lies outside the measured range "
                      f"[{mus[0]}, {mus[-1]}] (or the parabola opens downwards): mu* there is an extrapolation.")
+    best = {b: min(g, key=lambda p: data[p.name]["loss"].value) for b, g in groups.items() if len(g) >= 3}
+    if best and all(p.labels["mu_rec"] == mus[0] for p in best.values()):
+        lines.append(f"- **Disagreement with the paper**: at every budget the lowest loss is at the smallest mu_rec "
+                     f"measured ({mus[0]}) (e.g. {', '.join(out.num(data[p.name]['loss']) for p in best.values())}"
+                     f"), so the optimum lies at or below the edge of the grid and the vertices and their exponent "
+                     f"rest on the parabolas' extrapolation. The paper finds an optimum inside its grid, growing "
+                     f"with C. Likely cause: these runs are tens to a hundred-odd steps long, a deeper loop costs "
+                     f"more FLOPs per token and so trains on fewer tokens and takes fewer steps at the same budget, "
+                     f"and this early in training the number of updates decides the loss; the depth pays only once "
+                     f"the data term is no longer dominant, far beyond these budgets.")
     spreads = []
     for g in groups.values():
         tok = sorted((data[p.name]["tokens"] for p in g), key=lambda v: v.value)
