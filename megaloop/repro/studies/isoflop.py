@@ -203,6 +203,7 @@ def _figures(fit, groups, data, budget_of, params, out) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     sources = [v for d in data.values() for v in (d["loss"], d["tokens"])]
     fig, axes = plt.subplots(1, 3, figsize=(13, 4), dpi=110)
@@ -216,7 +217,7 @@ def _figures(fit, groups, data, budget_of, params, out) -> None:
                 grid = np.geomspace(x.min(), x.max(), 100)
                 ax.plot(grid, np.polyval(coef, np.log(grid)), "-", color=line.get_color())
             opt = b[f"{tag}_opt"]
-            if np.isfinite(opt):
+            if np.isfinite(opt) and x.min() / 2 <= opt <= 2 * x.max():  # a vertex far off the grid: in the table
                 ax.axvline(opt, ls=":", color=line.get_color())
     axes[0].set(xscale="log", xlabel="mu_rec", ylabel="val loss at T = mu_rec", title="isoFLOP curves in mu_rec")
     axes[1].set(xscale="log", xlabel="training tokens D", title="isoFLOP curves in D")
@@ -230,7 +231,14 @@ def _figures(fit, groups, data, budget_of, params, out) -> None:
         axes[2].loglog(c, (c / fit["C_ref"]) ** paper, "--", color=pts.get_color(), alpha=0.5,
                        label=f"paper: C^{paper}")
     axes[2].set(xlabel="training FLOPs C", ylabel="optimum / optimum at C_ref", title="optima against compute")
+    mus = sorted({p.labels["mu_rec"] for g in groups.values() for p in g})
+    axes[0].set_xticks(mus, [str(m) for m in mus])
+    axes[2].set_xticks(c, [f"{v:.2g}" for v in c])
     for ax in axes:
+        if ax is axes[1]:  # a log axis spanning less than a decade: ticks at 1, 2, 5 x 10^k, labelled
+            ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.2g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.legend(fontsize=7)
     fig.tight_layout()
     path = out.figure("isoflop", "Left, middle: loss against mu_rec and against tokens at each budget, with the "
