@@ -28,12 +28,14 @@ class Size:
     budgets: tuple[float, ...]  # training FLOPs (megaloop convention: useful FLOPs at the nominal depth mu_rec);
     #                             full: times Scale.budget where the scale has one (--budget-minutes)
     boot: int                   # bootstrap resamples of the isoFLOP fit
+    base_steps: tuple[int, ...] = ()  # instead of budgets: the FLOPs of these many steps at the smallest mu_rec
+    #                                   (smoke: whatever rows and vocabulary the scale's shards have)
 
 
 SIZES = {
     "smoke": Size(("model.d_model=32", "model.n_heads=2", "data.micro_batch_size=4", "data.global_batch_size=4",
                    "data.val_batches=2"),
-                  (1, 2, 4), (4e10, 8e10), 50),
+                  (1, 2, 4), (), 50, (20, 40)),
     "full": Size(("data.global_batch_size=8",), (1, 2, 4, 8), (3e11, 6e11, 1.2e12), 500),
 }
 
@@ -73,6 +75,8 @@ class IsoFlopStudy:
         base = (*data_shape(scale), *size.model, *FIXED)
         costs = flop_costs(CONFIG, base, size.mu_values)
         budgets = [b * (getattr(scale, "budget", 1.0) if scale.name == "full" else 1.0) for b in size.budgets]
+        low = costs[min(size.mu_values)]
+        budgets += [float(f"{n * low.flops_per_token * low.tokens_per_step:.3g}") for n in size.base_steps]
         out = []
         for g in grid(list(size.mu_values), budgets, costs, "", FIXED):
             extra = tuple(o for o in g.overrides if o not in FIXED)  # model.mu_rec, train.steps
