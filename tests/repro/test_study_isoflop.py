@@ -124,6 +124,7 @@ def test_an_optimum_below_the_grid_is_reported_as_a_disagreement(tmp_path):
     out = FakeWriter(tmp_path / "figures")
     isoflop.write_section(points, 0, FakeArtifacts(tmp_path), out)
     assert "**Disagreement with the paper**: at every budget the lowest loss is at the smallest mu_rec" in out.markdown
+    assert "consistent" not in out.markdown
 
 
 def test_one_budget_is_not_enough_points(tmp_path):

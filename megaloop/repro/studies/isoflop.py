@@ -259,21 +259,24 @@ def _verdict(fit, groups, data, budget_of, params, runs, out) -> None:
     mus = sorted({p.labels["mu_rec"] for p in sum(groups.values(), [])})
     edge = [f"{b['flops']:.3g}" for b in fit["budgets"]
             if not np.isfinite(b["mu_opt"]) or not mus[0] <= b["mu_opt"] <= mus[-1]]
+    best = {b: min(g, key=lambda p: data[p.name]["loss"].value) for b, g in groups.items() if len(g) >= 3}
+    at_edge = bool(best) and all(p.labels["mu_rec"] == mus[0] for p in best.values())
     lines = []
     for name, (v, lo, hi), paper in (("gamma_mu", params["gamma_mu"], 0.40), ("gamma_D", params["gamma_D"], 0.78)):
         if not np.isfinite(v.value):
             lines.append(f"- {name}: no estimate (fewer than two budgets have a parabola that opens upwards).")
         elif np.isfinite(lo.value) and lo.value <= paper <= hi.value:
+            verdict = ("but with every optimum at the grid's edge (below) this is no evidence either way" if at_edge
+                       else "consistent, but at this width of interval not a confirmation")
             lines.append(f"- {name} = {out.num(v, '.3g')}: its interval [{out.num(lo, '.3g')}, {out.num(hi, '.3g')}] "
-                         f"contains the paper's {paper}: consistent, but at this width of interval not a confirmation.")
+                         f"contains the paper's {paper}: {verdict}.")
         else:
             lines.append(f"- {name} = {out.num(v, '.3g')} [{out.num(lo, '.3g')}, {out.num(hi, '.3g')}]: disagrees "
                          f"with the paper's {paper}.")
     if edge:
         lines.append(f"- At budget(s) {', '.join(edge)} the vertex in mu_rec lies outside the measured range "
                      f"[{mus[0]}, {mus[-1]}] (or the parabola opens downwards): mu* there is an extrapolation.")
-    best = {b: min(g, key=lambda p: data[p.name]["loss"].value) for b, g in groups.items() if len(g) >= 3}
-    if best and all(p.labels["mu_rec"] == mus[0] for p in best.values()):
+    if at_edge:
         lines.append(f"- **Disagreement with the paper**: at every budget the lowest loss is at the smallest mu_rec "
                      f"measured ({mus[0]}) (e.g. {', '.join(out.num(data[p.name]['loss']) for p in best.values())}"
                      f"), so the optimum lies at or below the edge of the grid and the vertices and their exponent "
