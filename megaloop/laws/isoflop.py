@@ -21,7 +21,10 @@ def budgets(flops: np.ndarray) -> list[np.ndarray]:
 
 
 def vertex(log_x: np.ndarray, loss: np.ndarray) -> float:
-    """The log x where the least-squares parabola through (log_x, loss) is lowest (nan if it opens downwards)."""
+    """The log x where the least-squares parabola through (log_x, loss) is lowest (nan if it opens downwards, or
+    if fewer than 3 distinct x define no parabola: a bootstrap resample of a budget's few points often repeats one)."""
+    if len(np.unique(log_x)) < MIN_PER_BUDGET:
+        return float("nan")
     a, b, _ = np.polyfit(log_x, loss, 2)
     return -b / (2 * a) if a > 0 else float("nan")
 

@@ -7,7 +7,7 @@ import pytest
 from megaloop.laws import synthetic
 from megaloop.laws.fit import FitError, fit_law, huber, objective
 from megaloop.laws.forms import LAWS, PARAMETRIC, PHI, TESTTIME_FORMS, UNIFIED
-from megaloop.laws.isoflop import fit_isoflop
+from megaloop.laws.isoflop import fit_isoflop, vertex
 from megaloop.laws.testtime import compare_forms
 
 
@@ -70,6 +70,19 @@ def test_isoflop_exponents_recovered_within_2_percent():
         p = out["params"][name]
         assert abs(p["value"] / truth[name] - 1) < 0.02 and p["ci_low"] < truth[name] < p["ci_high"], (name, p)
     assert len(out["budgets"]) == 9
+
+
+def test_isoflop_vertex_needs_three_distinct_points():
+    log_mu = np.log([1.0, 2.0, 4.0, 8.0])
+    loss = 3 + 0.1 * (log_mu - np.log(3.0)) ** 2
+    assert vertex(log_mu, loss) == pytest.approx(np.log(3.0))
+    assert np.isnan(vertex(log_mu[[0, 0, 1, 1]], loss[[0, 0, 1, 1]]))  # a resample with two distinct mu_rec
+    # four points per budget, exact parabolas: every usable resample gives the same vertices, so a tight interval
+    budgets = np.repeat([1e12, 2e12, 4e12], 4)
+    mu = np.tile([1.0, 2.0, 4.0, 8.0], 3)
+    cols = {"flops": budgets, "mu_rec": mu, "loss": 3 + 0.1 * np.log(mu / (2 * (budgets / 2e12) ** 0.4)) ** 2}
+    gamma = fit_isoflop(cols, boot=100)["params"]["gamma_mu"]
+    assert gamma["value"] == pytest.approx(0.4) and gamma["ci_high"] - gamma["ci_low"] < 1e-9
 
 
 def test_isoflop_needs_two_budgets_of_three_points():
