@@ -7,6 +7,8 @@ the test prints what it skipped. What is changed to keep it small:
 - the placeholders TEXT_DIR, TOK_DIR and SHARD_DIR become a two-novel corpus and directories of the walk;
 - `megaloop train` and `megaloop launch` commands train 1/50 of their train.steps (2 when none is given), validate on one batch and
   print no progress bar;
+- `megaloop eval` commands score the first 64 validation rows (--val-rows 64, when not given: the walk's split
+  has ~900 rows, a minute of forwards on a loaded 2-core machine; 64 rows take the same code path);
 - `bash scripts/quickstart.sh` runs on the same small corpus with those overrides, in OUT=runs/walk-quickstart;
   its `scripts/setup.sh` is replaced in the copy by a no-op (the copy uses this test run's environment, which
   scripts/setup.sh set up; run in the copy it would re-point the editable install at the copy);
@@ -32,6 +34,7 @@ SKIP_MARK = re.compile(r"<!--\s*readme-walk:\s*skip\s*\((?P<reason>[^)]*)\)\s*--
 WALK_CORPUS = ["Doyle_Lost_1912.txt", "Kipling_Light_1891.txt"]  # 0.8 MB of data/sample_corpus
 SMALL_TRAIN = ["data.val_batches=1", "train.progress=false"]
 STEPS_DIVISOR, DEFAULT_STEPS = 50, 2
+EVAL_VAL_ROWS = 64
 
 pytestmark = [pytest.mark.readme_walk, pytest.mark.slow]
 
@@ -93,6 +96,8 @@ def rewrite(line: str, places: dict[str, str]) -> str:
     if re.search(r"\bbash scripts/quickstart\.sh\b", line):
         args = " ".join([f"train.steps={DEFAULT_STEPS}", *SMALL_TRAIN])
         return f"OUT=runs/walk-quickstart CORPUS={places['TEXT_DIR']} {_strip_comment(line)} {args}"
+    if re.search(r"-m megaloop eval\b", line) and "--val-rows" not in line:
+        return f"{_strip_comment(line)} --val-rows {EVAL_VAL_ROWS}"
     if re.search(r"-m megaloop (train|launch)\b", line):
         line = _strip_comment(line)
         line = re.sub(r"train\.steps=(\d+)", _scaled_steps, line)
@@ -178,6 +183,10 @@ def test_the_walk_rewrites_commands_as_documented():
     assert rewrite("python -m megaloop launch --nproc-per-node 4 x.yaml --set train.steps=150", places).endswith(
         "x.yaml --set train.steps=3 --set data.val_batches=1 --set train.progress=false")
     assert "grep -q 'bash scripts/test.sh' .ci/run" in rewrite("bash scripts/test.sh   # 2.", places)
+    assert rewrite("python -m megaloop eval runs/tiny --depths 1,2   # val loss", places) == \
+        "python -m megaloop eval runs/tiny --depths 1,2 --val-rows 64"
+    assert rewrite("python -m megaloop eval runs/tiny --val-rows 8", places) == \
+        "python -m megaloop eval runs/tiny --val-rows 8"
     text = "x\n<!-- readme-walk: skip (needs 2 nodes) -->\n\n```bash\nsrun a \\\n  b\n```\n```bash\nls\n```\n"
     blocks = readme_blocks(text)
     assert [(b.line, b.skip_reason) for b in blocks] == [(4, "needs 2 nodes"), (8, None)]
