@@ -16,7 +16,7 @@ import torch
 
 from tests.pipeline.models import max_rel_err
 from tests.pipeline.spawn import spawn
-from tests.pipeline.workers_ckpt import loaded_state_worker, worker
+from tests.pipeline.workers_ckpt import resume_worker, worker
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "parcae-tiny.yaml"
 FP64_TOL = 1e-12
@@ -70,9 +70,12 @@ def test_reshard_tp2_dp2_checkpoint(label, saved_tp2_dp2, tiny_shards, tmp_path)
     step_dir, reference = saved_tp2_dp2
     world, tp = LAYOUTS[label]
     resume = [f"checkpoint.resume={step_dir}"]
-    spawn(loaded_state_worker, world, str(TINY), overrides(tiny_shards, tmp_path / "check", 10, "fp64", tp, *resume),
-          str(tmp_path / "state.pt"))
-    state = torch.load(tmp_path / "state.pt")
+    # one world: restore and compare, then continue (as a fresh job) from the same checkpoint
+    checks = [("loaded", overrides(tiny_shards, tmp_path / "check", 10, "fp64", tp, *resume))]
+    jobs = [("continued", overrides(tiny_shards, tmp_path / "run", 10, "fp64", tp, *resume))]
+    spawn(resume_worker, world, str(TINY), checks, jobs, str(tmp_path / "out.pt"))
+    results = torch.load(tmp_path / "out.pt")
+    state = results["loaded"]
     covered = set().union(*map(set, state["names"]))
     print(f"{label}: loaded step {state['start']}, {sum(state['pieces'])} pieces on {world} rank(s) compared with "
           f"the saved arrays, {sum(map(len, state['mismatched']))} differ; {len(covered)} of {len(state['arrays'])} "
@@ -81,9 +84,7 @@ def test_reshard_tp2_dp2_checkpoint(label, saved_tp2_dp2, tiny_shards, tmp_path)
     assert not any(state["mismatched"]), state["mismatched"]
     assert covered == set(state["arrays"])
 
-    jobs = [("continued", overrides(tiny_shards, tmp_path / "run", 10, "fp64", tp, *resume))]
-    spawn(worker, world, str(TINY), jobs, str(tmp_path / "out.pt"))
-    got = torch.load(tmp_path / "out.pt")["continued"]
+    got = results["continued"]
     assert got["start"] == 5 and len(got["losses"]) == len(reference["losses"]) == 5
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], reference["losses"]))
     param_err = max(max_rel_err(got["params"][n], p) for n, p in reference["params"].items())
