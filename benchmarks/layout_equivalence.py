@@ -1,8 +1,9 @@
 """The tensor/data-parallel equivalence matrix on CPU (gloo): megaloop's trainer on parcae-tiny (20 steps,
-per-sequence depths, gradient accumulation, Muon + AdamW) under tp2 and dp2 (2 processes) and tp2 x dp2, tp4, dp4,
-GPT and RDM at tp2 x dp2 (4 processes), each in fp64 and fp32, against the single-process run of the same config.
+per-sequence depths, gradient accumulation, Muon + AdamW) under tp2, dp2, and GPT and RDM at tp2 (2 processes), and
+tp2 x dp2, tp4, dp4, GPT and RDM at tp2 x dp2 (4 processes), each in fp64 and fp32, against the single-process run of
+the same config.
 
-    python benchmarks/layout_equivalence.py [--worlds 2,4] [--corpus DIR]
+    python benchmarks/layout_equivalence.py [--worlds 2,4] [--layouts "tp2xdp2,gpt tp2xdp2"] [--corpus DIR]
 
 Per layout and precision it prints the worst relative loss error over the 20 steps and the worst parameter error,
 then PASS or FAIL against the bounds of tests/pipeline/test_layout_equivalence.py (fp64: losses and parameters
@@ -34,12 +35,18 @@ from tests.pipeline.workers_train import worker  # noqa: E402
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worlds", default="2,4", help="comma-separated process counts of MATRIX to run (2, 4)")
+    ap.add_argument("--layouts", default=None,
+                    help="comma-separated labels of MATRIX to run (default: every layout of --worlds)")
     ap.add_argument("--corpus", default=None, help="a folder of .txt files to build the shards from")
     args = ap.parse_args()
     worlds = [int(w) for w in args.worlds.split(",")]
     suite.STEPS = 20  # the suite runs fewer
     if not set(worlds) <= set(MATRIX):
         ap.error(f"--worlds {args.worlds}: use a comma-separated subset of {sorted(MATRIX)}")
+    known = [label for world in worlds for label in MATRIX[world]]
+    labels = known if args.layouts is None else [label.strip() for label in args.layouts.split(",")]
+    if not labels or set(labels) - set(known):
+        ap.error(f"--layouts {args.layouts}: use a comma-separated subset of {', '.join(known)}")
     root = Path(tempfile.mkdtemp(prefix="layout-equivalence-"))
     failed = []
     try:
@@ -47,7 +54,10 @@ def main() -> int:
         refs = {}
         for world in worlds:
             t0 = time.perf_counter()
-            runs = layout_runs(shards, root / f"world{world}", MATRIX[world])
+            layouts = {label: layout for label, layout in MATRIX[world].items() if label in labels}
+            if not layouts:
+                continue
+            runs = layout_runs(shards, root / f"world{world}", layouts)
             spawn(worker, world, str(TINY), runs, str(root / f"runs{world}.pt"))
             results = torch.load(root / f"runs{world}.pt")
             print(f"{world} processes: {len(runs)} runs in {time.perf_counter() - t0:.0f} s", flush=True)

@@ -1,6 +1,6 @@
 """The ring pipeline's whole equivalence matrix on CPU (gloo): megaloop's trainer under pp2, pp4, pp2 x tp2,
 pp2 x dp2 and pp2 x tp2 x dp2 (8 processes) for parcae-tiny with 4 core blocks, per-sequence depths (micro-batches
-of different lap counts), Muon + AdamW, 8 steps, and GPT and RDM at pp2 x dp2, each in fp64 and fp32 against the
+of different lap counts), Muon + AdamW, 8 steps, and GPT and RDM at pp2 and pp2 x dp2, each in fp64 and fp32 against the
 single-process run of the same config. Point-to-point runs under NCCL's rendezvous semantics, emulated on gloo
 (parallel.p2p_semantics=rendezvous: every send waits for its receive, one group's batches run in order).
 
@@ -12,8 +12,9 @@ is another one, so it is not compared) and how far the tied embedding's two copi
 then one PASS/FAIL line per layout: fp64 losses, parameters and validation within 1e-12, fp32 losses within 1e-3,
 identical embedding copies. Exit status 1 when a layout fails.
 
-The layouts, overrides, references and bounds are those of tests/pipeline/test_pipeline_trainer.py (which runs all
-but pp2 x tp2 x dp2), from tests/pipeline/pp_equivalence.py. The shards (vocab 512, 32-token rows) are built in a
+The layouts, overrides, references and bounds are those of tests/pipeline/test_pipeline_trainer.py (which runs a
+subset: pp2 in both precisions; GPT and RDM at pp2, pp2 x dp2, pp4 and pp2 x tp2 in fp64), from
+tests/pipeline/pp_equivalence.py. The shards (vocab 512, 32-token rows) are built in a
 temporary folder as the tests' tiny_shards fixture builds them: from the first 24 chapters of the shared corpus
 beside the checkout (MEGALOOP_SHARED overrides where it is), else from the bundled data/sample_corpus, or from
 --corpus. Each process runs one thread; 8 processes on a 2-core machine take several minutes.

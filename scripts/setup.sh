@@ -7,9 +7,12 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 if ! command -v mpirun >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-  echo "[setup] installing Open MPI (apt)"
+  # g++ (for DeepSpeed's op, below) in the same apt run when it is missing too: one package-list update, not two
+  APT_PACKAGES=(libopenmpi-dev openmpi-bin)
+  command -v "${CXX:-c++}" >/dev/null 2>&1 || APT_PACKAGES+=(g++)
+  echo "[setup] installing ${APT_PACKAGES[*]} (apt)"
   apt-get update -qq >/dev/null
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libopenmpi-dev openmpi-bin >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${APT_PACKAGES[@]}" >/dev/null
 fi
 if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv"

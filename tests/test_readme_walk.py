@@ -3,10 +3,15 @@ of the working tree, at small sizes; every command must exit 0.
 
 README.md is parsed when the test runs, so a block added later is walked too. A block that cannot run on one
 machine (a multi-node launch, say) is skipped only when the line above it is `<!-- readme-walk: skip (reason) -->`;
-the test prints what it skipped. What is changed to keep it small:
+the test prints what it skipped. A block whose training runs are covered by other tests may be marked
+`<!-- readme-walk: check (reason) -->`: its `megaloop train` and `megaloop launch --nproc-per-node N` commands become
+`megaloop check` of the same config and overrides (for N processes: WORLD_SIZE=N, the validation launch does before
+it starts any process), its other commands run as written. What is changed to keep it small:
 - the placeholders TEXT_DIR, TOK_DIR and SHARD_DIR become a two-novel corpus and directories of the walk;
 - `megaloop train` and `megaloop launch` commands train 1/50 of their train.steps (2 when none is given), validate on one batch and
   print no progress bar;
+- `megaloop eval` commands score the first 64 validation rows (--val-rows 64, when not given: the walk's split
+  has ~900 rows, a minute of forwards on a loaded 2-core machine; 64 rows take the same code path);
 - `bash scripts/quickstart.sh` runs on the same small corpus with those overrides, in OUT=runs/walk-quickstart;
   its `scripts/setup.sh` is replaced in the copy by a no-op (the copy uses this test run's environment, which
   scripts/setup.sh set up; run in the copy it would re-point the editable install at the copy);
@@ -28,10 +33,11 @@ import pytest
 from tests.process_group import run_group
 
 REPO = Path(__file__).resolve().parents[1]
-SKIP_MARK = re.compile(r"<!--\s*readme-walk:\s*skip\s*\((?P<reason>[^)]*)\)\s*-->")
+SKIP_MARK = re.compile(r"<!--\s*readme-walk:\s*(?P<kind>skip|check)\s*\((?P<reason>[^)]*)\)\s*-->")
 WALK_CORPUS = ["Doyle_Lost_1912.txt", "Kipling_Light_1891.txt"]  # 0.8 MB of data/sample_corpus
 SMALL_TRAIN = ["data.val_batches=1", "train.progress=false"]
 STEPS_DIVISOR, DEFAULT_STEPS = 50, 2
+EVAL_VAL_ROWS = 64
 
 pytestmark = [pytest.mark.readme_walk, pytest.mark.slow]
 
@@ -41,10 +47,12 @@ class Block:
     line: int  # 1-based line of the opening fence
     text: str
     skip_reason: str | None
+    check_reason: str | None = None  # train/launch commands only checked (see the module docstring)
 
 
 def readme_blocks(text: str) -> list[Block]:
-    """The ```bash blocks of a markdown text, in order, each with the skip reason of a marker just above it."""
+    """The ```bash blocks of a markdown text, in order, each with the skip or check reason of a marker just above
+    it."""
     lines = text.splitlines()
     blocks, i = [], 0
     while i < len(lines):
@@ -56,7 +64,8 @@ def readme_blocks(text: str) -> list[Block]:
                 i += 1
             above = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
             mark = SKIP_MARK.search(above)
-            blocks.append(Block(start + 1, "\n".join(body), mark.group("reason") if mark else None))
+            reason = {mark.group("kind"): mark.group("reason")} if mark else {}
+            blocks.append(Block(start + 1, "\n".join(body), reason.get("skip"), reason.get("check")))
         i += 1
     return blocks
 
@@ -83,16 +92,33 @@ def _scaled_steps(match: re.Match) -> str:
     return f"train.steps={max(1, int(match.group(1)) // STEPS_DIVISOR)}"
 
 
-def rewrite(line: str, places: dict[str, str]) -> str:
-    """One README command as the walk runs it (see the module docstring)."""
+def check_only(line: str) -> str | None:
+    """A `megaloop train` or `megaloop launch --nproc-per-node N` command as a `megaloop check` of its config for its
+    process count; None for any other command."""
+    if not re.search(r"-m megaloop (train|launch)\b", line):
+        return None
+    line = _strip_comment(line)
+    nproc = re.search(r"\s--nproc-per-node[= ](\d+)", line)
+    world = f"WORLD_SIZE={nproc.group(1)} " if nproc else ""
+    if nproc:
+        line = line.replace(nproc.group(0), "")
+    return world + re.sub(r"-m megaloop (train|launch)\b", "-m megaloop check", line)
+
+
+def rewrite(line: str, places: dict[str, str], check: bool = False) -> str:
+    """One README command as the walk runs it (see the module docstring); check: the block's check marker."""
     for name, value in places.items():
         line = re.sub(rf"\b{name}\b", value, line)
+    if check and (checked := check_only(line)) is not None:
+        return checked
     if re.search(r"\bbash scripts/test\.sh\b", line):
         return ("test -f scripts/test.sh && grep -q 'bash scripts/test.sh' .ci/run && "
                 "echo 'readme-walk: scripts/test.sh is what .ci/run runs (not run here: it is the suite itself)'")
     if re.search(r"\bbash scripts/quickstart\.sh\b", line):
         args = " ".join([f"train.steps={DEFAULT_STEPS}", *SMALL_TRAIN])
         return f"OUT=runs/walk-quickstart CORPUS={places['TEXT_DIR']} {_strip_comment(line)} {args}"
+    if re.search(r"-m megaloop eval\b", line) and "--val-rows" not in line:
+        return f"{_strip_comment(line)} --val-rows {EVAL_VAL_ROWS}"
     if re.search(r"-m megaloop (train|launch)\b", line):
         line = _strip_comment(line)
         line = re.sub(r"train\.steps=(\d+)", _scaled_steps, line)
@@ -132,18 +158,23 @@ def test_every_readme_bash_block_runs(tmp_path):
     assert blocks, "README.md has no ```bash block"
     script = ["set -euo pipefail",
               "trap 'echo \"readme-walk: FAILED (exit $?): $BASH_COMMAND\" >&2' ERR"]
-    walked, skipped = [], []
+    walked, skipped, checked = [], [], []
     for block in blocks:
         if block.skip_reason is not None:
             skipped.append(f"README.md:{block.line} ({block.skip_reason})")
             continue
         walked.append(block.line)
+        if block.check_reason is not None:
+            checked.append(f"README.md:{block.line} ({block.check_reason})")
         script.append(f"echo '### readme-walk: block at README.md:{block.line}'")
         for line in logical_lines(block.text):
             if line.strip():
-                script += [f"echo '$ '{_shell_quote(line.strip())}", rewrite(line, places)]
+                script += [f"echo '$ '{_shell_quote(line.strip())}",
+                           rewrite(line, places, check=block.check_reason is not None)]
     for item in skipped:
         print(f"readme-walk: skipped the block at {item}")
+    for item in checked:
+        print(f"readme-walk: checked (not trained) the train/launch commands of the block at {item}")
     (tmp_path / "walk.sh").write_text("\n".join(script) + "\n")
 
     env = {k: v for k, v in os.environ.items()
@@ -178,7 +209,19 @@ def test_the_walk_rewrites_commands_as_documented():
     assert rewrite("python -m megaloop launch --nproc-per-node 4 x.yaml --set train.steps=150", places).endswith(
         "x.yaml --set train.steps=3 --set data.val_batches=1 --set train.progress=false")
     assert "grep -q 'bash scripts/test.sh' .ci/run" in rewrite("bash scripts/test.sh   # 2.", places)
-    text = "x\n<!-- readme-walk: skip (needs 2 nodes) -->\n\n```bash\nsrun a \\\n  b\n```\n```bash\nls\n```\n"
+    assert rewrite("python -m megaloop eval runs/tiny --depths 1,2   # val loss", places) == \
+        "python -m megaloop eval runs/tiny --depths 1,2 --val-rows 64"
+    assert rewrite("python -m megaloop eval runs/tiny --val-rows 8", places) == \
+        "python -m megaloop eval runs/tiny --val-rows 8"
+    launch = "python -m megaloop launch --nproc-per-node 4 x.yaml --set data.shards=SHARD_DIR --set parallel.tp=2  # n"
+    assert rewrite(launch, places, check=True) == \
+        "WORLD_SIZE=4 python -m megaloop check x.yaml --set data.shards=/s --set parallel.tp=2"
+    assert rewrite("python -m megaloop train x.yaml --set train.steps=150", places, check=True) == \
+        "python -m megaloop check x.yaml --set train.steps=150"
+    assert rewrite("python -m checkpoints inspect r", places, check=True) == "python -m checkpoints inspect r"
+    text = "x\n<!-- readme-walk: skip (needs 2 nodes) -->\n\n```bash\nsrun a \\\n  b\n```\n```bash\nls\n```\n" \
+        "<!-- readme-walk: check (tests run it) -->\n```bash\nls\n```\n"
     blocks = readme_blocks(text)
-    assert [(b.line, b.skip_reason) for b in blocks] == [(4, "needs 2 nodes"), (8, None)]
+    assert [(b.line, b.skip_reason, b.check_reason) for b in blocks] == \
+        [(4, "needs 2 nodes", None), (8, None, None), (12, None, "tests run it")]
     assert logical_lines(blocks[0].text) == ["srun a    b"]

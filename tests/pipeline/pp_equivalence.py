@@ -42,6 +42,8 @@ LAYOUTS = {
     "pp2xtp2": Layout("parcae", 2, tp=2),
     "pp2xdp2": Layout("parcae", 2, dp=2),
     "pp2xtp2xdp2": Layout("parcae", 2, tp=2, dp=2),
+    "gpt-pp2": Layout("gpt", 2),
+    "rdm-pp2": Layout("rdm", 2),
     "gpt-pp2xdp2": Layout("gpt", 2, dp=2),
     "rdm-pp2xdp2": Layout("rdm", 2, dp=2),
 }

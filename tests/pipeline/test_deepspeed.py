@@ -9,7 +9,10 @@ lr * g / (|g| + eps), so an entry whose gradient is ~1e-10 (a cancellation resid
 difference of 1e-10 into a sizeable fraction of a step, or into 2 lr where its sign flips, and later steps carry
 that on. ZeRO-2 sums each micro-batch over ranks as it goes (native and ZeRO-1 sum once per step), so it sees the
 most. With eps 1e-6 the update is smooth in g and the parameters are asserted (within 1e-4, measured ~1e-5), for
-ZeRO-2 with CPU offload and for ZeRO-3: that checks the learning rate, weight decay and clipping DeepSpeed applies."""
+ZeRO-2 with CPU offload and for ZeRO-3: that checks the learning rate, weight decay and clipping DeepSpeed applies.
+
+The suite runs ZeRO-3 at eps 1e-6 only (losses and parameters asserted); `python benchmarks/deepspeed_equivalence.py`
+runs every setting, ZeRO-3 at the reference's eps 1e-10 too."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -50,6 +53,9 @@ SETTINGS = {
     "native per-batch eps1e-6": (NATIVE + PER_BATCH + AT_EPS, False, None, False),
     "zero3 per-batch eps1e-6": (ZERO[3] + PER_BATCH + AT_EPS, False, "native per-batch eps1e-6", True),
 }
+# The suite's subset: ZeRO-3 at eps 1e-10 (losses only) runs the same code as at eps 1e-6, where the parameters are
+# asserted too; eps is a number in the update, not a path.
+SUITE = [label for label in SETTINGS if label not in ("native per-batch", "zero3 per-batch")]
 
 
 def overrides(shards, out_dir, extra: list[str]) -> list[str]:
@@ -76,17 +82,21 @@ def worst_param_diff(got: dict, ref: dict) -> tuple[float, float, str]:
     return abs_diff, rel, name
 
 
-@pytest.mark.multiproc
-def test_deepspeed_zero_stages_equal_native_engine(tiny_shards, tmp_path):
-    runs = {label: (overrides(tiny_shards, tmp_path / f"run{i}", extra) + [f"parallel.zero_offload={offload}"],
-                    offload)
-            for i, (label, (extra, offload, _, _)) in enumerate(SETTINGS.items())}
-    unequal = overrides(tiny_shards, tmp_path / "zero3_unequal", ZERO[3])
-    out = tmp_path / "ds.pt"
-    spawn(worker, 2, str(TINY), runs, unequal, str(out))
-    results = torch.load(out)
+def run_settings(shards, root: Path, labels: list[str]) -> dict:
+    """Every setting of labels, then the ZeRO-3 run with unequal loop counts, in one world of 2 processes."""
+    runs = {label: (overrides(shards, root / f"run{i}", SETTINGS[label][0]) +
+                    [f"parallel.zero_offload={SETTINGS[label][1]}"], SETTINGS[label][1])
+            for i, label in enumerate(labels)}
+    unequal = overrides(shards, root / "zero3_unequal", ZERO[3])
+    spawn(worker, 2, str(TINY), runs, unequal, str(root / "ds.pt"))
+    return torch.load(root / "ds.pt")
+
+
+def compare_settings(results: dict, labels: list[str]) -> list[str]:
+    """Prints each setting's figures; returns what breaks the bounds (empty: every setting passes)."""
     failures = []
-    for label, (_, _, ref_label, check_params) in SETTINGS.items():
+    for label in labels:
+        _, _, ref_label, check_params = SETTINGS[label]
         got = results[label]
         print(f"{label} ({got['engine']}, {got['seconds']:.1f} s): losses "
               f"{' '.join('%.6f' % x for x in got['losses'])}; grad norms {' '.join('%.5f' % x for x in got['norms'])}")
@@ -102,5 +112,12 @@ def test_deepspeed_zero_stages_equal_native_engine(tiny_shards, tmp_path):
         if check_params and abs_diff > PARAM_TOL:
             failures.append(f"{label}: parameters {abs_diff:.1e} from {ref_label}")
     print("ZeRO-3 with per-sequence depths:", results["zero3_unequal"][:160], "...")
+    return failures
+
+
+@pytest.mark.multiproc
+def test_deepspeed_zero_stages_equal_native_engine(tiny_shards, tmp_path):
+    results = run_settings(tiny_shards, tmp_path, SUITE)
+    failures = compare_settings(results, SUITE)
     assert not failures, failures
     assert "same number of loop steps" in results["zero3_unequal"]

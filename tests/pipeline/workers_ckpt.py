@@ -83,13 +83,6 @@ def loaded_state(config_path: str, overrides: list) -> dict:
             "inconsistent": bad}
 
 
-def loaded_state_worker(rank: int, world: int, config_path: str, overrides: list, out_path: str) -> None:
-    """loaded_state on this world; rank 0 saves it."""
-    state = loaded_state(config_path, overrides)
-    if rank == 0:
-        torch.save(state, out_path)
-
-
 def resume_worker(rank: int, world: int, config_path: str, checks: list, jobs: list, out_path: str) -> None:
     """checks: [(label, overrides)] restored and compared (loaded_state), then jobs (see worker), on this world;
     rank 0 saves {label: result} of both."""
