@@ -37,8 +37,9 @@ class Point:
     """One training run of a study, in its own run directory WORK/runs/<study>/<name>.
 
     `config` is a YAML path relative to the repository root, `overrides` the `--set key=value` applied to it in order
-    (data.shards and train.run_dir are set by the runner). After training the runner evaluates the final checkpoint at
-    each depth of `eval_depths` (validation loss, `python -m megaloop eval --depths ... --json`, written to
+    (the runner sets the scale's model.vocab_size and model.seq_len before them, data.shards and train.out_dir
+    after). After training the runner evaluates the final checkpoint at each depth of `eval_depths` (validation
+    loss on the first `eval_rows` rows, `python -m megaloop eval --depths ... --val-rows ... --json`, written to
     eval.json in the run directory) when the tuple is not empty.
     """
 

@@ -26,12 +26,17 @@ class Throughput:
     name = "throughput"
     title = "Throughput: useful vs executed FLOPs"
 
+    @staticmethod
+    def variants(scale: Scale) -> tuple[str, ...]:
+        """The benched models: the three at full scale, Parcae alone at smoke scale (its start-up dominates)."""
+        return ("parcae",) if scale.name == "smoke" else tuple(VARIANTS)
+
     def points(self, scale: Scale) -> list[Point]:
         smoke = scale.name == "smoke"
         steps = 3 if smoke else 10
         base = (*base_overrides(scale), *lr_overrides(PAPER_LR_SMALL), "model.depth_sampler=poisson-truncated-full")
-        pts = [Point(study=self.name, name=f"bench-{v}", config=CONFIG, overrides=(*base, *sets), kind="bench",
-                     bench_steps=steps, labels={"variant": v}) for v, sets in VARIANTS.items()]
+        pts = [Point(study=self.name, name=f"bench-{v}", config=CONFIG, overrides=(*base, *VARIANTS[v]), kind="bench",
+                     bench_steps=steps, labels={"variant": v}) for v in self.variants(scale)]
         pts.append(Point(study=self.name, name="ragged-parcae", config=CONFIG, overrides=base, kind="ragged",
                          bench_steps=2 if smoke else 8, labels={"variant": "parcae"}))
         dp_steps = 3 if smoke else 12
@@ -45,7 +50,7 @@ class Throughput:
         pts = {p.name: p for p in self.points(scale)}
         out.text(__doc__.split("\n\n", 1)[1].strip())
         rows, used = [], []
-        for v in VARIANTS:
+        for v in self.variants(scale):
             p = pts[f"bench-{v}"]
             tps = runs.scalar(p, "bench.json", "tokens_per_s")
             useful = runs.scalar(p, "bench.json", "useful_tflops")
@@ -56,9 +61,12 @@ class Throughput:
         out.text("**Bench** (one process; wall time of a shared machine: compare within the table, not across "
                  "machines):")
         out.table(["model", "tokens/s", "useful TFLOP/s", "executed TFLOP/s", "useful/executed", "s/step"], rows)
+        out.text("useful/executed is 1 when every lap that ran was some sequence's own (the trainer's ragged loop "
+                 "over depth-bucketed micro-batches); below it, the laps run past a sequence's depth. What the "
+                 "masked loop would have executed instead is measured next.")
         self._ragged(pts["ragged-parcae"], runs, out)
         self._dealing(pts, runs, out)
-        self._plot(pts, runs, out)
+        self._plot(pts, self.variants(scale), runs, out)
 
     def _ragged(self, p: Point, runs, out) -> None:
         useful = runs.scalar(p, "ragged.json", "useful_core_rows")
@@ -83,12 +91,12 @@ class Throughput:
                  "(absolute) against equal rows. With two ranks on a 2-core machine shared with other work, the "
                  "tokens/s of the two runs are noisier than the idle fractions, which are counts of work.")
 
-    def _plot(self, pts: dict, runs, out) -> None:
+    def _plot(self, pts: dict, variants, runs, out) -> None:
         from megaloop.repro.studies.plotting import new_figure, save
 
         fig, (ax,) = new_figure()
         names, useful, executed, used = [], [], [], []
-        for v in VARIANTS:
+        for v in variants:
             p = pts[f"bench-{v}"]
             u = runs.scalar(p, "bench.json", "useful_tflops")
             e = runs.scalar(p, "bench.json", "executed_tflops")
