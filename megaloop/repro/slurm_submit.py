@@ -1,6 +1,7 @@
 """--slurm: each training point not yet trained becomes one `python -m slurm submit` job whose run folder is the
 point's (--out-root WORK/runs/<study> --job-name <name>); points whose job finished (COMPLETED in the run folder)
-are evaluated here, and the speed points run here once every training point is done."""
+are evaluated here, and the speed points run here once every training point is done. A point is submitted once
+(slurm.json records its job); delete that file to submit it again (a job that was cancelled)."""
 from __future__ import annotations
 
 import json
@@ -26,7 +27,7 @@ def submit(plans: list[Plan], scale: Scale, shards: Path, slurm_args: str, jobs:
         if plan in finished:
             continue
         pending += 1
-        if not (plan.dir / "slurm.json").is_file() or plan.state == "resume":
+        if not (plan.dir / "slurm.json").is_file():  # submitted once: the job requeues itself on a stop (slurm/)
             _submit_one(plan, scale, shards, extra)
     local = finished + ([p for p in todo if p.point.kind != "train"] if not pending else [])
     Runner(scale, shards, jobs, progress).run(local)  # a COMPLETED run trains no step: only its evaluation runs
