@@ -78,7 +78,10 @@ class Throughput:
                  f"rows for {out.num(useful, 'g')} useful ones; the ragged loop ran {out.num(ragged, 'g')}, "
                  f"{out.num(saved, '.1%')} fewer. Forward + backward per CPU-second: ragged / masked = "
                  f"{out.num(speed, '.3g')}x (the prelude, coda and head run the same in both, so the speed-up is "
-                 "below the saved share of core rows).")
+                 "below the saved share of core rows)."
+                 + ("" if speed.value >= 1 else " Below 1 here: at this width a lap is so cheap that the ragged "
+                    "loop's bookkeeping (rows sorted by depth, a slice per lap) costs more than the laps it skips; "
+                    "the rows it saves are what counts at model sizes where a lap's matmuls dominate."))
 
     def _dealing(self, pts: dict, runs, out) -> None:
         idle = {d: runs.series_value(pts[f"dp2-{d}"], "train", "idle_fraction", "mean") for d in DEALINGS}
@@ -87,8 +90,10 @@ class Throughput:
                              "idle fraction under rows minus under depth dealing")
         out.table(["dealing (2 ranks)", "mean idle fraction", "tokens/s"],
                   [[d, idle[d], tps[d]] for d in DEALINGS])
-        out.text(f"**Depth-balanced dealing** cut the ranks' idle fraction by {out.num(saved, '.3f')} "
-                 "(absolute) against equal rows. With two ranks on a 2-core machine shared with other work, the "
+        verb = "cut the ranks' idle fraction by" if saved.value > 0 else "did not cut the ranks' idle fraction " \
+            "(rows minus depth:"
+        end = "" if saved.value > 0 else ")"
+        out.text(f"**Depth-balanced dealing** {verb} {out.num(saved, '.3f')}{end} (absolute) against equal rows. With two ranks on a 2-core machine shared with other work, the "
                  "tokens/s of the two runs are noisier than the idle fractions, which are counts of work.")
 
     def _plot(self, pts: dict, variants, runs, out) -> None:
