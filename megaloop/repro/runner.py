@@ -157,7 +157,8 @@ class Runner:
             except (PointFailed, Stopped) as err:
                 errors.append(err)
                 self.stop.set() if isinstance(err, Stopped) else None
-            bar.update(1)
+                return
+            bar.update(1)  # finished points only
             bar.set_postfix_str(f"{plan.point.study}/{plan.point.name}")
 
         with ThreadPoolExecutor(max_workers=jobs) as pool:
