@@ -1,8 +1,8 @@
 """megaloop command line: `python -m megaloop train|check|flops|bench|launch|plan CONFIG [--set key=value ...]`,
 `python -m megaloop peak` (the CPU peak MFU divides by), `python -m megaloop preflight` (every communication
 path of a job, checked and timed), `python -m megaloop eval|generate CHECKPOINT` (evaluation and sampling),
-`python -m megaloop laws fit` (scaling laws with intervals) and `python -m megaloop plot RUN_DIR` (a run's curves
-as PNGs)."""
+`python -m megaloop laws fit` (scaling laws with intervals), `python -m megaloop plot RUN_DIR` (a run's curves
+as PNGs) and `python -m megaloop repro` (the paper's claims reproduced from runs, docs/reproduction.md)."""
 from __future__ import annotations
 
 import argparse
@@ -50,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     generate_cli.add_arguments(sub.add_parser("generate", help=generate_cli.HELP, description=generate_cli.HELP))
     laws_cli.add_arguments(sub.add_parser("laws", help=laws_cli.HELP, description=laws_cli.HELP))
     plots.add_arguments(sub.add_parser("plot", help=plots.HELP, description=plots.HELP))
+    from megaloop.repro import cli as repro_cli
+
+    repro_cli.add_arguments(sub.add_parser("repro", help=repro_cli.HELP, description=repro_cli.HELP))
     return ap
 
 
@@ -112,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
             from megaloop.train.plots import run_plot
 
             return run_plot(args)
+        if args.command == "repro":
+            from megaloop.repro.cli import main as run_repro
+
+            return run_repro(args)
         if args.command == "plan":
             from megaloop.plan.cli import run_plan
 

@@ -23,6 +23,13 @@ class Scale:
     corpus: Path              # text corpus the studies train on (a file or a directory of .txt files)
     work: Path                # the study's output root: runs/, shards/, figures/ and the report live under it
     max_parallel: int = 1     # training runs in flight at once
+    budget: float = 1.0       # multiplier of the full studies' training steps (from --budget-minutes; 1 for smoke)
+    seq_len: int = 128        # the rows of the scale's shards: every point trains at this model.seq_len
+    vocab_size: int = 4096    # the scale's tokenizer: every point's model.vocab_size (the runner sets both first)
+
+    def steps(self, full: int, smoke: int) -> int:
+        """A study's step count at this scale: `smoke` for smoke, `full` x budget (at least 10) for full."""
+        return smoke if self.name == "smoke" else max(10, round(full * self.budget))
 
 
 @dataclass(frozen=True)
@@ -30,8 +37,9 @@ class Point:
     """One training run of a study, in its own run directory WORK/runs/<study>/<name>.
 
     `config` is a YAML path relative to the repository root, `overrides` the `--set key=value` applied to it in order
-    (data.shards and train.run_dir are set by the runner). After training the runner evaluates the final checkpoint at
-    each depth of `eval_depths` (validation loss, `python -m megaloop eval --depths ... --json`, written to
+    (the runner sets the scale's model.vocab_size and model.seq_len before them, data.shards and train.out_dir
+    after). After training the runner evaluates the final checkpoint at each depth of `eval_depths` (validation
+    loss on the first `eval_rows` rows, `python -m megaloop eval --depths ... --val-rows ... --json`, written to
     eval.json in the run directory) when the tuple is not empty.
     """
 
@@ -42,6 +50,9 @@ class Point:
     nproc: int = 1
     eval_depths: tuple[int, ...] = ()
     labels: dict = field(default_factory=dict, compare=False, hash=False)  # what the study varies: {"lr": 0.01, ...}
+    eval_rows: int = 256  # validation rows the evaluation scores (the first ones: the same rows for every point)
+    kind: str = "train"   # train | bench (`megaloop bench` -> bench.json) | ragged (ragged vs masked loop -> ragged.json)
+    bench_steps: int = 10  # kind bench/ragged: measured steps (micro-batches for ragged), after 2 warm-up steps
 
 
 @dataclass(frozen=True)
@@ -76,6 +87,13 @@ class Artifacts(Protocol):
     def derived(self, value: float, inputs: Sequence[Value], how: str) -> Value:
         """A number computed from other `Value`s (a fit, a mean, a ratio): it carries all their sources."""
 
+    def has(self, point: Point, file: str) -> bool:
+        """Whether the point's run directory holds this artifact (e.g. eval.json is absent for a diverged run)."""
+
+    def outcome(self, point: Point) -> dict:
+        """The runner's record of how the point ended (done.json): {"exit_code", "outcome": "completed" | "diverged",
+        "message"}; {} for a point not finished."""
+
 
 class Writer(Protocol):
     """Writes one study's section of the report: markdown text, tables and figures, each number with its source."""
@@ -89,7 +107,8 @@ class Writer(Protocol):
         """A markdown table; cells that are `Value`s are formatted by `num`, strings are written as they are."""
 
     def figure(self, name: str, caption: str, sources: Sequence[Value]) -> Path:
-        """The path to save a PNG at (under WORK/figures), embedded with its caption and the sources it plots."""
+        """The path to save a PNG at (beside the report, in the --out folder), embedded with its caption and the
+        sources it plots."""
 
 
 class Study(Protocol):
