@@ -41,7 +41,7 @@ def flops_per_token(point) -> tuple[float, int]:
 @pytest.mark.parametrize("name,shape", [("smoke", {}), ("full", {}),
                                         ("smoke", {"seq_len": 32, "vocab_size": 512, "budget": 1.0})])
 def test_points_spend_their_budget(name, shape):
-    sc = SimpleNamespace(**scale(name).__dict__, **shape)  # a scale whose shards fix the rows and vocabulary
+    sc = SimpleNamespace(**{**scale(name).__dict__, **shape})  # a scale whose shards fix the rows and vocabulary
     points = STUDY.points(sc)
     assert points == STUDY.points(sc)
     if shape:
