@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from megaloop.config.errors import ConfigError
+from megaloop.config.fp8_layers import no_fp8_layer_reason
 from megaloop.config.model import ModelConfig
 from megaloop.config.pipeline import check_pipeline
 from megaloop.config.sections import CheckpointConfig, DataConfig, ParallelConfig, TrainConfig
@@ -36,7 +37,16 @@ class Config:
         self._validate_engine()
         self._validate_backend()
         self._validate_data_dir()
+        self._validate_fp8()
         return self
+
+    def _validate_fp8(self) -> None:
+        """train.fp8 asked for explicitly where no block layer qualifies would train in bf16 under an FP8 header."""
+        if self.train.fp8 == "none":
+            return
+        reason = no_fp8_layer_reason(self.model, self.parallel.tp)
+        if reason is not None:
+            raise ConfigError("train.fp8", self.train.fp8, reason)
 
     def _validate_backend(self) -> None:
         """gloo with a CUDA device: gloo stages CUDA tensors through host memory and lacks collectives the trainer
