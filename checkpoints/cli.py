@@ -16,6 +16,7 @@ from pathlib import Path
 from . import files
 from .errors import CheckpointError, CorruptCheckpointError
 from .load import CheckpointReader, find_checkpoints
+from data_prep.paths import LocalPath
 
 CORRUPT, BAD_INPUT = 1, 2
 
@@ -26,13 +27,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("inspect", help="show step, tokens, layout and the arrays of a checkpoint",
                        description="Show a checkpoint's step, tokens, saving layout, schema version and arrays.")
-    p.add_argument("dir", metavar="DIR", help="a checkpoint directory (step_XXXXXXXX) or a root holding 'latest'")
+    p.add_argument("dir", type=LocalPath(),
+                   metavar="DIR", help="a checkpoint directory (step_XXXXXXXX) or a root holding 'latest'")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of a table")
     p.set_defaults(func=cmd_inspect)
     p = sub.add_parser("verify", help="check every file against the manifest (sizes and checksums)",
                        description="Check sizes and checksums of every file against manifest.json. Exit 1 if "
                                    "corrupt.")
-    p.add_argument("dir", metavar="DIR", help="a checkpoint directory or a root holding 'latest'")
+    p.add_argument("dir", type=LocalPath(),
+                   metavar="DIR", help="a checkpoint directory or a root holding 'latest'")
     p.add_argument("--all", action="store_true", help="with a root: verify every committed checkpoint in it")
     p.set_defaults(func=cmd_verify)
     _add_convert_parsers(sub)

@@ -19,6 +19,7 @@ from .cli import resolve
 from .errors import CheckpointError
 from .export import DTYPES, export_safetensors, replace_atomically
 from .official import TIED_HEAD_KEY, checkpoint_to_official, official_to_checkpoint
+from data_prep.paths import LocalPath
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 # `python -m megaloop check CONFIG` prints the config as JSON, then this one line
@@ -60,9 +61,11 @@ def add_parsers(sub) -> None:
                      "with torch.save; loaded with weights_only=True) or .safetensors")
     way.add_argument("--to-official", metavar="CKPT_DIR", help="a checkpoint directory (step_XXXXXXXX) or a root "
                      "holding 'latest'")
-    p.add_argument("--config", metavar="CONFIG_JSON", help="with --from-official: megaloop's resolved config as "
+    p.add_argument("--config", type=LocalPath(),
+                   metavar="CONFIG_JSON", help="with --from-official: megaloop's resolved config as "
                    "JSON (see below); stored in the checkpoint's metadata")
-    p.add_argument("--out", required=True, metavar="PATH", help="with --from-official: a new (or empty) checkpoint "
+    p.add_argument("--out", type=LocalPath(), required=True,
+                   metavar="PATH", help="with --from-official: a new (or empty) checkpoint "
                    "root; with --to-official: the output file, .pt/.pth (torch.save of a dict of tensors) or "
                    ".safetensors")
     p.add_argument("--step", type=int, default=None, metavar="N", help="with --from-official: the step number "
@@ -74,9 +77,11 @@ def add_parsers(sub) -> None:
                                    "megaloop name to one\nsafetensors file, and the run's config and step to the "
                                    ".json of the same name beside it.",
                        epilog=EXPORT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("dir", metavar="CKPT_DIR", help="a checkpoint directory (step_XXXXXXXX) or a root holding "
+    p.add_argument("dir", type=LocalPath(),
+                   metavar="CKPT_DIR", help="a checkpoint directory (step_XXXXXXXX) or a root holding "
                    "'latest'")
-    p.add_argument("--out", required=True, metavar="FILE.safetensors", help="the safetensors file to write "
+    p.add_argument("--out", type=LocalPath(), required=True,
+                   metavar="FILE.safetensors", help="the safetensors file to write "
                    "(FILE.json is written beside it)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating-point parameters "
                    "(default: keep the stored dtypes)")

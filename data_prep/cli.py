@@ -7,6 +7,7 @@ import sys
 import time
 
 from .errors import DataPrepError
+from .paths import LocalPath
 
 DEFAULT_LOCAL_WORKERS = min(os.cpu_count() or 1, 16)
 
@@ -15,8 +16,9 @@ def _add_tokenizer_parser(commands) -> None:
     p = commands.add_parser("tokenizer", help="train a byte-level BPE tokenizer on a directory of text",
                             description="Train a byte-level BPE (GPT-4-style split, 256-byte alphabet, specials "
                             "<|bos|> <|eos|> <|pad|>) and save it with its config and content hash.")
-    p.add_argument("--input", required=True, help="directory of text files (searched recursively)")
-    p.add_argument("--output", required=True, help="directory to write the tokenizer to")
+    p.add_argument("--input", required=True, type=LocalPath(),
+                   help="directory of text files (searched recursively)")
+    p.add_argument("--output", required=True, type=LocalPath(), help="directory to write the tokenizer to")
     p.add_argument("--vocab-size", type=int, default=32768, help="vocabulary size incl. specials (default 32768)")
     p.add_argument("--glob", default="*", help="file-name pattern of the documents (default: every file)")
     p.add_argument("--max-bytes", type=int, default=None, help="train on at most this many bytes of text")
@@ -31,9 +33,12 @@ def _add_shards_parser(commands) -> None:
                             "rows of seq_len+1 tokens, write tar shards (one .npy per row) and manifest.json. "
                             "Under mpirun the ranks share the encoding; the output is identical for any number "
                             "of workers or ranks.")
-    p.add_argument("--input", required=True, help="directory of text files (searched recursively)")
-    p.add_argument("--tokenizer", required=True, help="tokenizer directory (from `data_prep tokenizer`)")
-    p.add_argument("--output", required=True, help="directory to write shards and manifest.json to")
+    p.add_argument("--input", required=True, type=LocalPath(),
+                   help="directory of text files (searched recursively)")
+    p.add_argument("--tokenizer", required=True, type=LocalPath(),
+                   help="tokenizer directory (from `data_prep tokenizer`)")
+    p.add_argument("--output", required=True, type=LocalPath("--out"),
+                   help="local directory to write shards and manifest.json to (--out URL uploads them)")
     p.add_argument("--seq-len", type=int, required=True, help="sequence length; rows hold seq_len + 1 tokens")
     p.add_argument("--workers", type=int, default=None,
                    help=f"encoding processes per rank (default {DEFAULT_LOCAL_WORKERS} locally, 1 under MPI)")
@@ -62,7 +67,8 @@ def _add_upload_parser(commands) -> None:
                             "manifest already at URL is deleted first), so that readers never see a half-written "
                             "dataset; an interrupted upload leaves no manifest. Credentials and region come from "
                             "the standard AWS environment variables and config files.")
-    p.add_argument("local_dir", help="directory written by `data_prep shards`")
+    p.add_argument("local_dir", type=LocalPath("the URL argument after it"),
+                   help="directory written by `data_prep shards`")
     p.add_argument("url", help="s3://bucket/prefix (or a local directory)")
     p.add_argument("--s3-endpoint", default=None, help="an S3-compatible store's URL (default: AWS_ENDPOINT_URL)")
     p.add_argument("--retries", type=int, default=6, help="attempts per file on transient errors (default 6)")
@@ -76,7 +82,8 @@ def _add_inspect_parser(commands) -> None:
     p.add_argument("shard_dir", help="directory written by `data_prep shards`")
     p.add_argument("--verify", choices=("full", "fast", "none"), default="full",
                    help="full: sha256 of every shard; fast: sizes only; none")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: SHARD_DIR/tokenizer)")
+    p.add_argument("--tokenizer", default=None, type=LocalPath(),
+                   help="tokenizer directory (default: SHARD_DIR/tokenizer)")
     p.add_argument("--split", default="train", help="split to take the sample row from")
     p.add_argument("--sample-tokens", type=int, default=96, help="tokens of the sample row to decode")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -87,7 +94,8 @@ def _add_reindex_parser(commands) -> None:
                             description="Scan each shard's tar headers once, check them against the manifest and "
                             "rewrite manifest.json (atomically) with each shard's data offset and stride, so that "
                             "readers never scan a shard. The shards are not changed; saved loader states stay valid.")
-    p.add_argument("--shards", required=True, help="directory written by `data_prep shards`")
+    p.add_argument("--shards", required=True, type=LocalPath(),
+                   help="directory written by `data_prep shards`")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from data_prep.paths import LocalPath
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _config_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("config", help="YAML config, e.g. configs/parcae-tiny.yaml")
+    p.add_argument("config", type=LocalPath(), help="YAML config, e.g. configs/parcae-tiny.yaml")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config value, e.g. --set train.steps=100 (repeatable)")
     return p

@@ -14,13 +14,15 @@ from slurm import options, preflight, script, sweep
 from slurm.ask import FlopsError, check, costs
 from slurm.options import OptionError
 from slurm.spec import JobSpec, default_python
+from data_prep.paths import LocalPath
 
 CPUS_PER_GPU = 8
 MIN_TRAIN_S = 120  # a job must be able to train at least this long before its stop signal
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", help="megaloop YAML config, e.g. configs/parcae-1_3b.yaml (a path the job can read)")
+    p.add_argument("config", type=LocalPath(),
+                   help="megaloop YAML config, e.g. configs/parcae-1_3b.yaml (a path the job can read)")
     p.add_argument("--nodes", type=int, required=True, help="nodes (one torchrun per node)")
     per = p.add_mutually_exclusive_group(required=True)
     per.add_argument("--gpus-per-node", type=int, help="GPUs per node, one training process each")
@@ -37,7 +39,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="megaloop config override, e.g. --set train.steps=100000 (repeatable)")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="export this variable in the job, e.g. --env NCCL_SOCKET_IFNAME=ib0 (repeatable)")
-    p.add_argument("--out-root", default="runs", help="runs go to OUT_ROOT/JOB_NAME (default: runs); Slurm's output "
+    p.add_argument("--out-root", type=LocalPath(), default="runs",
+                   help="runs go to OUT_ROOT/JOB_NAME (default: runs); Slurm's output "
                                                       "files to its slurm/ folder")
     p.add_argument("--cpus-per-node", type=int, help=f"CPUs for the torchrun of each node (default: "
                                                      f"{CPUS_PER_GPU} per GPU, or one per CPU process)")

@@ -14,6 +14,7 @@ import shlex
 from slurm import body, options
 from slurm.script import output_pattern, sbatch_quote
 from slurm.spec import default_python
+from data_prep.paths import LocalPath
 
 sh = shlex.quote
 CPUS_PER_GPU = 8
@@ -31,7 +32,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--time", required=True, help="time limit, e.g. 00:10:00 (the paths take a few minutes)")
     p.add_argument("--account", help="Slurm account to charge")
     p.add_argument("--job-name", default=DEFAULT_NAME, help=f"job name (default {DEFAULT_NAME})")
-    p.add_argument("--out-root", default="runs", help="the job's folder is OUT_ROOT/JOB_NAME (default: runs); it must "
+    p.add_argument("--out-root", type=LocalPath(), default="runs",
+                   help="the job's folder is OUT_ROOT/JOB_NAME (default: runs); it must "
                                                       "be on a file system every node reads")
     p.add_argument("--container", metavar="IMAGE", help="run inside this image (pyxis: srun --container-image)")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",

@@ -150,6 +150,7 @@ class TrainConfig:
         check_choice("train.extend", self.extend, ("continue", "rewarm"))
         check_choice("train.activation_checkpointing", self.activation_checkpointing, ("none", "block", "lap"))
         check_choice("train.fp8", self.fp8, ("none", "tensorwise", "rowwise"))
+        check_local("train.out_dir", self.out_dir)
         check_choice("train.fp8_backend", self.fp8_backend, ("torchao", "te"))
         check_choice("train.fp8_scale_rounding", self.fp8_scale_rounding, ("auto", "pow2", "none"))
         if self.fp8_scale_rounding != "auto" and self.fp8_backend == "te":
@@ -194,6 +195,18 @@ class CheckpointConfig:
             raise ConfigError("checkpoint.every", self.every, "must be >= 0 (0: save only at the end of the run)")
         if self.keep < 1:
             raise ConfigError("checkpoint.keep", self.keep, "must be >= 1")
+        for name in ("dir", "resume"):
+            check_local(f"checkpoint.{name}", getattr(self, name))
+
+
+def check_local(field_name: str, value) -> None:
+    """A path key that megaloop writes or reads on the local (or shared) file system refuses a URL, which would
+    otherwise become a folder named like `s3:` in the current directory."""
+    from data_prep.paths import local_path_error
+
+    problem = value is not None and local_path_error(str(value))
+    if problem:
+        raise ConfigError(field_name, value, problem)
 
 
 def default_factory(cls):

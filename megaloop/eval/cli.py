@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from megaloop.eval.errors import EvalInputError
+from data_prep.paths import LocalPath
 
 HELP = ("evaluate a committed checkpoint at fixed loop depths T: loss and bits per byte on the validation split "
         "and on any text, CORE and LAMBADA")
@@ -16,19 +17,20 @@ TASK_GROUPS = ("val", "core", "lambada")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("checkpoint", metavar="RUN_DIR|CHECKPOINT",
+    p.add_argument("checkpoint", type=LocalPath(), metavar="RUN_DIR|CHECKPOINT",
                    help="a run directory, a checkpoint root or one step_XXXXXXXX directory (any saving layout)")
     p.add_argument("--depths", default=None, metavar="T,T,...",
                    help="loop depths to evaluate at, e.g. 1,2,4,8,16 (default 1, 2, 4, mu_rec, 2 mu_rec)")
     p.add_argument("--tasks", default="val", metavar="NAME,...",
                    help="val (the validation split), core (every CORE task present), lambada, or CORE task names "
                         "such as arc_easy,copa (default: val)")
-    p.add_argument("--text", default=None, metavar="PATH",
+    p.add_argument("--text", type=LocalPath(), default=None, metavar="PATH",
                    help="also evaluate loss and bits per byte on this text file or directory of text files")
     p.add_argument("--shards", default=None, metavar="DIR",
                    help="shard directory of the validation split and tokenizer (default: the run's data.shards)")
-    p.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenizer directory (default: SHARDS/tokenizer)")
-    p.add_argument("--core-dir", default=None, metavar="DIR",
+    p.add_argument("--tokenizer", type=LocalPath(), default=None,
+                   metavar="DIR", help="tokenizer directory (default: SHARDS/tokenizer)")
+    p.add_argument("--core-dir", type=LocalPath(), default=None, metavar="DIR",
                    help="folder with tasks_v0.3.yaml and the CORE task files (needed for core, lambada and task "
                         "names)")
     p.add_argument("--limit", type=int, default=None, metavar="N", help="score the first N examples of each task")
@@ -36,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None,
                    help="h_0 and few-shot seed (default: the run's train.seed)")
     p.add_argument("--batch-size", type=int, default=16, metavar="B", help="rows per forward (default 16)")
-    p.add_argument("--config", default=None, metavar="YAML",
+    p.add_argument("--config", type=LocalPath(), default=None, metavar="YAML",
                    help="load the weights into this config's model (default: the checkpoint's own model config)")
     add_device_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")

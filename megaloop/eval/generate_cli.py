@@ -8,13 +8,15 @@ import json
 import sys
 
 from megaloop.eval.errors import EvalInputError
+from data_prep.paths import LocalPath
 
 HELP = ("generate text from a committed checkpoint at a fixed loop depth T (KV cache per lap), or with adaptive "
         "depth per token")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("checkpoint", metavar="RUN_DIR|CHECKPOINT", help="a run directory, checkpoint root or step dir")
+    p.add_argument("checkpoint", type=LocalPath(),
+                   metavar="RUN_DIR|CHECKPOINT", help="a run directory, checkpoint root or step dir")
     p.add_argument("--prompt", required=True, help="the text to continue")
     p.add_argument("--depth", type=int, default=None, metavar="T",
                    help="loop depth (default mu_rec); with --exit-threshold, the most laps a token may take")
@@ -24,10 +26,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="h_0 and sampling seed (default 0)")
     p.add_argument("--exit-threshold", type=float, default=None, metavar="EPS",
                    help="stop looping a token once ||h_t - h_{t-1}|| / ||h_t|| < EPS (adaptive depth)")
-    p.add_argument("--score-text", default=None, metavar="PATH",
+    p.add_argument("--score-text", type=LocalPath(), default=None, metavar="PATH",
                    help="with --exit-threshold: also measure loss and mean laps on this text against fixed T")
     p.add_argument("--score-rows", type=int, default=4, metavar="N", help="rows of --score-text to score (default 4)")
-    p.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenizer directory (default: the run's)")
+    p.add_argument("--tokenizer", type=LocalPath(), default=None,
+                   metavar="DIR", help="tokenizer directory (default: the run's)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     from megaloop.eval.cli import add_device_argument
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from data_prep.paths import LocalPath
 
 HELP = "fit a scaling law (with bootstrap confidence intervals) to run directories or a CSV of points"
 LAWS = ("parametric", "isoflop", "testtime", "unified", "phi")
@@ -20,7 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     fit = sub.add_parser("fit", help=HELP, description=HELP + ". The CSV columns are params, mu_rec, tokens, flops, "
                          "T, loss, n_once, n_rec and r (unused ones may be absent). e.g. `python -m megaloop laws fit "
                          "runs/quickstart/train --law testtime --json`")
-    fit.add_argument("run_dirs", nargs="*", type=Path, metavar="RUN_DIR", help="finished run directories")
+    fit.add_argument("run_dirs", nargs="*", type=LocalPath(as_path=True),
+                     metavar="RUN_DIR", help="finished run directories")
     fit.add_argument("--points", type=Path, metavar="FILE.csv", help="a CSV of points instead of run directories")
     fit.add_argument("--law", required=True, choices=LAWS, help="the law to fit")
     fit.add_argument("--json", action="store_true", help="print one JSON object: each parameter by its name as "

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from megaloop.config import ConfigError
+from data_prep.paths import LocalPath
 
 HELP = ("reproduce the paper's claims at CPU scale: train the studies' points, evaluate them and write "
         "docs/reproduction.md, every number naming the run artifact it came from")
@@ -26,16 +27,17 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help=f"scale the full studies' training steps so that the whole report takes about M minutes "
                         f"on 2 idle cores (default {DEFAULT_MINUTES:g}, the committed report's; the studies' "
                         f"full sizes are {FULL_MINUTES:g})")
-    p.add_argument("--out", default="docs/reproduction", metavar="DIR",
+    p.add_argument("--out", type=LocalPath(), default="docs/reproduction", metavar="DIR",
                    help="the report is DIR.md, its figures DIR/*.png (default docs/reproduction)")
-    p.add_argument("--work", default="runs/reproduction", metavar="DIR",
+    p.add_argument("--work", type=LocalPath(), default="runs/reproduction", metavar="DIR",
                    help="run folders, shards and checkpoints (default runs/reproduction; not for git)")
     p.add_argument("--smoke", action="store_true", help="toy sizes: every study in a few minutes (CI)")
     p.add_argument("--studies", default=None, metavar="NAME,...",
                    help="studies to run and report, by name or letter: stability (a), depth_sampling (b), "
                         "testtime (c), isoflop (d), throughput (e); default all")
     p.add_argument("--report-only", action="store_true", help="re-render the report from existing run artifacts")
-    p.add_argument("--corpus", default=str(REPO.parent / "shared" / "data" / "corpus"), metavar="PATH",
+    p.add_argument("--corpus", type=LocalPath(), default=str(REPO.parent / "shared" / "data" / "corpus"),
+                   metavar="PATH",
                    help="directory of .txt files to train on (default ../shared/data/corpus beside the checkout)")
     p.add_argument("--jobs", type=int, default=None, metavar="N",
                    help="training processes at once (default: the number of cores); each gets cores/N threads")

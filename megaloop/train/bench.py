@@ -25,6 +25,7 @@ import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from data_prep.paths import LocalPath
 
 HELP = ("measure training throughput: N steps after a warm-up, then tokens/s, useful/executed/hardware TFLOP/s, MFU "
         "against the bf16 and FP8 dense peaks, and the step split into data, forward, backward, communication, "
@@ -37,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, metavar="W", help="steps run first and not measured (default 2)")
     p.add_argument("--nproc-per-node", type=int, default=1, metavar="P",
                    help="processes (default 1: in this process; more: through `megaloop launch`, torchrun)")
-    p.add_argument("--out-dir", default=None, help="the run's directory (default: a new temporary one)")
+    p.add_argument("--out-dir", type=LocalPath(), default=None,
+                   help="the run's directory (default: a new temporary one)")
     p.add_argument("--png", default=None, help="where to write the plot (default: <out-dir>/bench.png)")
     p.add_argument("--json", action="store_true", help="also print the figures as one JSON object")
     return p

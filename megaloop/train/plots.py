@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from data_prep.paths import LocalPath
 
 HELP = "draw a run's training loss, rho(A), ||h_T|| and test-time curve as PNGs (into RUN_DIR/plots)"
 SERIES = (("loss", "training loss", "loss.png"), ("rho_A", "rho(A) (spectral radius of the injection)", "rho_A.png"),
@@ -17,8 +18,10 @@ class RunPlotError(ValueError):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run directory (with metrics.jsonl)")
-    p.add_argument("--out", type=Path, default=None, help="folder for the PNGs (default RUN_DIR/plots)")
+    p.add_argument("run_dir", type=LocalPath(as_path=True),
+                   metavar="RUN_DIR", help="a run directory (with metrics.jsonl)")
+    p.add_argument("--out", type=LocalPath(as_path=True), default=None,
+                   help="folder for the PNGs (default RUN_DIR/plots)")
 
 
 def run_plot(args) -> int:
