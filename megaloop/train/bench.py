@@ -88,27 +88,32 @@ def _finite(x) -> float:
 
 
 def job_peaks(device_type: str, precision: str, world: int, threads: int) -> tuple[dict, dict]:
-    """label -> the job's dense peak (one device's times world) for bf16, fp8 and the run's precision; on CPU the
-    measured (cached) matmul rate on `threads` threads."""
+    """label -> the job's dense peak for bf16, fp8 and the run's precision: one device's times world; on CPU the
+    measured (cached) matmul rate on `threads` threads, each label against the best of its precision and the wider
+    ones (peak.best_peak: an emulated FP8 "peak" below bf16's is not a peak), times the share of the cores the
+    world's processes get (peak.core_share)."""
     import torch
 
-    from megaloop.train.peak import cpu_peak, gpu_peak
+    from megaloop.train.peak import best_peak, core_share, cpu_peak, gpu_peak
 
     labels = {"bf16": "bf16 dense", "fp8": "FP8 dense"}
     if precision not in labels:
         labels[precision] = f"{precision} (the run's precision)"
-    peaks, sources = {}, {}
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for prec, label in labels.items():
-            if device_type == "cuda":
-                p = gpu_peak(torch.cuda.get_device_name(), prec)
-            else:
-                p = cpu_peak(prec)
-            peaks[label], sources[label] = p.tflops * world, p.source
+        if device_type == "cuda":
+            chosen = {prec: gpu_peak(torch.cuda.get_device_name(), prec) for prec in labels}
+            share = 1.0
+        else:
+            measured = {prec: cpu_peak(prec) for prec in {*labels, "fp32"}}
+            chosen = {prec: best_peak(prec, measured) for prec in labels}
+            share = core_share(world, threads)
     finally:
         torch.set_num_threads(before)
+    peaks = {labels[prec]: p.tflops * world * share for prec, p in chosen.items()}
+    shared = "" if share == 1 else f" (x {share:.3g}: {world} processes x {threads} threads share the cores)"
+    sources = {labels[prec]: p.source + shared for prec, p in chosen.items()}
     return peaks, sources
 
 

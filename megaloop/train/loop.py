@@ -22,7 +22,8 @@ from megaloop.train.flops import FlopModel
 from megaloop.train.hardware import bf16_support
 from megaloop.model.attention import resolve_attention_backend
 from megaloop.train.fp8 import with_fp8
-from megaloop.train.peak import PeakGuard, cpu_peak
+from megaloop.train.peak import (PeakGuard, core_share, cpu_peak, local_processes,
+                                  oversubscription_warning)
 from megaloop.train.precision import PrecisionChoice, apply_optimizer_precision, param_dtype, resolve_precision
 from megaloop.train.metrics import MetricsWriter
 from megaloop.train.progress import Progress
@@ -200,7 +201,7 @@ def _run(cfg, runtime: TrainerRuntime, model, optimizer, data: DataSource, ckpt,
     summary = RunSummary(n_params=count_parameters(build_model(cfg.model, device="meta")), is_main=runtime.is_main,
                          start_step=start, steps_done=start, resumed_from=ckpt.resumed_from,
                          tokens=ckpt.tokens_before)
-    guard = PeakGuard(device, cfg.train.precision, runtime.world_size)
+    guard = PeakGuard(device, cfg.train.precision, runtime.world_size, _cpu_core_share(device, runtime.is_main))
     _note_peak(summary, guard)
     summary.precision, summary.precision_why = choice.precision, choice.why
     summary.attention = resolve_attention_backend(cfg.model.attention, device)  # as built (the lookups are cached)
@@ -241,11 +242,24 @@ def _run(cfg, runtime: TrainerRuntime, model, optimizer, data: DataSource, ckpt,
     return summary
 
 
+def _cpu_core_share(device, is_main: bool) -> float:
+    """On CPU, the share of a one-process peak each process gets (core_share); the main rank warns once when the
+    node's processes x threads exceed its available cores."""
+    if device.type != "cpu":
+        return 1.0
+    processes, threads = local_processes(), torch.get_num_threads()
+    warning = oversubscription_warning(processes, threads)
+    if warning and is_main:
+        print(f"megaloop: warning: {warning}", file=sys.stderr, flush=True)
+    return core_share(processes, threads)
+
+
 def _note_peak(summary: RunSummary, guard: PeakGuard) -> None:
     """The job's peak (every process's device) into the summary, as the guard holds it now."""
     peak, n = guard.peak, guard.world_size
     summary.peak_tflops = guard.job_tflops
-    summary.peak_source = peak.source if n == 1 else f"{n} x {peak.tflops:.4f}, {peak.source}"
+    share = "" if guard.share == 1 else f" x {guard.share:.3g} (processes share the cores)"
+    summary.peak_source = peak.source if n == 1 and not share else f"{n} x {peak.tflops:.4f}{share}, {peak.source}"
     summary.peak_unreliable_steps = guard.unreliable_steps
 
 

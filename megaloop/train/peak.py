@@ -170,6 +170,66 @@ def cpu_peak(precision: str, refresh: bool = False, keep_higher: bool = False, c
                            f"cached in {cache.path}", m.seconds)
 
 
+# a GEMM asked for in one precision can always run in a wider one (FP8 work in bf16, bf16 work in fp32)
+WIDTHS = {"fp8": 8, "bf16": 16, "fp32": 32, "fp64": 64}
+
+
+def best_peak(precision: str, peaks: dict[str, Peak]) -> Peak:
+    """The peak a run in `precision` is measured against: the best of `peaks` (precision -> Peak) over `precision`
+    and every wider one. A measured "peak" slower than a wider precision's is not a peak (the CPU emulates FP8, and
+    bf16 without AVX512-BF16): the run could have used the faster one, so MFU above 100% cannot follow."""
+    own = peaks[precision]
+    wider = [p for p in WIDTHS if WIDTHS[p] > WIDTHS[precision] and p in peaks]
+    best = max(wider, key=lambda p: peaks[p].tflops if math.isfinite(peaks[p].tflops) else -1.0, default=None)
+    if best is None or not peaks[best].tflops > own.tflops:
+        return own
+    return Peak(peaks[best].tflops, f"{best} matmul, faster here than the {precision} one measured "
+                                    f"({own.tflops:.4g} TFLOP/s); {peaks[best].source}",
+                own.measured_s + peaks[best].measured_s)
+
+
+def best_cpu_peak(precision: str) -> Peak:
+    """best_peak over the CPU measurements of `precision` and the wider precisions up to fp32 (fp64 is never faster;
+    an fp64 run has only its own)."""
+    names = [p for p in ("fp8", "bf16", "fp32") if WIDTHS[p] >= WIDTHS[precision]] or [precision]
+    return best_peak(precision, {p: cpu_peak(p) for p in names})
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its affinity mask: a Slurm or container limit, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def local_processes() -> int:
+    """The training processes on this node (torchrun's LOCAL_WORLD_SIZE, Slurm's SLURM_NTASKS_PER_NODE, else 1)."""
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+def core_share(processes: int, threads: int, cores: int | None = None) -> float:
+    """The fraction of a one-process peak each of `processes` x `threads` CPU threads can get: 1 when they fit in
+    the available cores, cores / (processes x threads) when they oversubscribe them (4 one-thread processes on 2
+    cores share 2 cores' worth of peak, not 4)."""
+    cores = available_cores() if cores is None else cores
+    return min(1.0, cores / max(1, processes * threads))
+
+
+def oversubscription_warning(processes: int, threads: int, cores: int | None = None) -> str | None:
+    """One line when processes x threads exceed the available cores (None otherwise)."""
+    cores = available_cores() if cores is None else cores
+    if processes * threads <= cores:
+        return None
+    return (f"{processes} process(es) x {threads} thread(s) on {cores} available core(s): they share the cores, "
+            f"so the peak counts {cores} core(s) and steps run slower than with at most {cores} threads in all "
+            f"(fewer processes, or OMP_NUM_THREADS={max(1, cores // processes)})")
+
+
 def gpu_peak(name: str, precision: str) -> Peak:
     """The table's dense peak for a device name as torch reports it ("NVIDIA H100 PCIe", "NVIDIA H200 NVL",
     "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"): the longest key all of whose words are words of the name
@@ -188,22 +248,23 @@ def device_peak(device: torch.device, precision: str) -> Peak:
     """The peak of one process's device for MFU: the table for known GPUs, the cached measurement on CPU."""
     if device.type == "cuda":
         return gpu_peak(torch.cuda.get_device_name(device), precision)
-    return cpu_peak(precision)
+    return best_cpu_peak(precision)
 
 
 class PeakGuard:
     """Keeps MFU honest: the job's peak (one process's times world_size), re-measured once on CPU when a step's
     achieved rate exceeds it; a rate still above the peak makes that step's MFU unreliable (NaN)."""
 
-    def __init__(self, device: torch.device, precision: str, world_size: int):
+    def __init__(self, device: torch.device, precision: str, world_size: int, share: float = 1.0):
         self.device, self.precision, self.world_size = device, precision, world_size
+        self.share = share  # core_share on CPU: the processes x threads that fit in the available cores
         self.peak = device_peak(device, precision)
         self.remeasured = False
         self.unreliable_steps = 0
 
     @property
     def job_tflops(self) -> float:
-        return self.peak.tflops * self.world_size
+        return self.peak.tflops * self.world_size * self.share
 
     def utilisation(self, useful_per_s: float, executed_per_s: float) -> tuple[float, float]:
         """(MFU, HFU): useful and executed FLOP/s over the job's peak; both NaN when the peak is unknown or below
@@ -213,7 +274,8 @@ class PeakGuard:
             return float("nan"), float("nan")
         if executed_per_s > peak and self.device.type == "cpu" and not self.remeasured:
             self.remeasured = True
-            fresh = cpu_peak(self.precision, refresh=True, keep_higher=True)
+            cpu_peak(self.precision, refresh=True, keep_higher=True)
+            fresh = best_cpu_peak(self.precision)
             self.peak = Peak(fresh.tflops, fresh.source + " (re-measured: a step ran faster than the peak found "
                                                           "first)", fresh.measured_s)
             peak = self.job_tflops * 1e12

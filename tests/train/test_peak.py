@@ -219,3 +219,49 @@ def test_unreliable_mfu_advice_is_followed_and_mfu_comes_back(tiny_shards, tmp_p
     with capsys.disabled():
         print(f"\nbusy: {line}\nran: {command}\nthen: {after}")
     assert re.fullmatch(r"MFU \(useful/peak\)\s+\d+\.\d%", after)
+
+
+def test_a_peak_slower_than_a_wider_precisions_is_not_a_peak(cache, monkeypatch):
+    """The CPU emulates FP8 (and bf16 without AVX512-BF16): MFU against FP8 divides by the best of FP8, bf16 and fp32
+    (here bf16's), so a run that beats the emulated FP8 rate cannot show MFU above 100%."""
+    rates = {torch.float8_e4m3fn: 0.02, torch.bfloat16: 0.2, torch.float32: 0.1, torch.float64: 0.05}
+    monkeypatch.setattr(peak_mod, "measure_cpu_peak", lambda dtype, budget_s=None: Measurement(rates[dtype], 256, 3,
+                                                                                              0.01))
+    assert peak_mod.best_cpu_peak("fp8").tflops == 0.2 and "faster here than the fp8" in \
+        peak_mod.best_cpu_peak("fp8").source
+    assert peak_mod.best_cpu_peak("bf16").tflops == 0.2 and peak_mod.best_cpu_peak("fp32").tflops == 0.1
+    assert peak_mod.best_cpu_peak("fp64").tflops == 0.05  # nothing wider to stand in
+    rates[torch.bfloat16] = 0.05  # emulated bf16: fp32 is the peak of a bf16 run
+    monkeypatch.setenv("MEGALOOP_CACHE_DIR", str(cache.dir / "second"))
+    assert peak_mod.best_cpu_peak("bf16").tflops == 0.1
+
+
+@pytest.mark.parametrize("processes,threads,cores,share", [(1, 1, 2, 1.0), (2, 1, 2, 1.0), (4, 1, 2, 0.5),
+                                                           (2, 2, 2, 0.5), (64, 1, 2, 2 / 64)])
+def test_the_peak_counts_the_cores_the_processes_share(processes, threads, cores, share):
+    assert peak_mod.core_share(processes, threads, cores) == pytest.approx(share)
+    warning = peak_mod.oversubscription_warning(processes, threads, cores)
+    assert (warning is None) == (share == 1.0)
+    if warning:
+        assert f"{processes} process(es) x {threads} thread(s) on {cores} available core(s)" in warning
+
+
+def test_bench_peaks_use_the_best_precision_and_the_core_share(cache, monkeypatch):
+    """bench's MFU peaks, the figures it divides by: FP8 against bf16's rate where that is faster, and 4 one-thread
+    processes on 2 cores count 2 cores (job peak = one process's x 4 x 0.5)."""
+    from megaloop.train.bench import job_peaks
+
+    rates = {torch.float8_e4m3fn: 0.02, torch.bfloat16: 0.2, torch.float32: 0.1}
+    monkeypatch.setattr(peak_mod, "measure_cpu_peak", lambda dtype, budget_s=None: Measurement(rates[dtype], 256, 3,
+                                                                                              0.01))
+    monkeypatch.setattr(peak_mod, "available_cores", lambda: 2)
+    peaks, sources = job_peaks("cpu", "bf16", world=4, threads=1)
+    assert peaks == pytest.approx({"bf16 dense": 0.2 * 4 * 0.5, "FP8 dense": 0.2 * 4 * 0.5})
+    assert "share the cores" in sources["FP8 dense"]
+
+
+def test_megaloop_peak_lists_fp8(cache):
+    out = subprocess.run([sys.executable, "-m", "megaloop", "peak", "--json"], capture_output=True, text=True,
+                         cwd=REPO, env={**os.environ, "MEGALOOP_CACHE_DIR": str(cache.dir)}, timeout=300, check=True)
+    peaks = json.loads(out.stdout)["peaks_tflops"]
+    assert set(peaks) == {"fp32", "bf16", "fp8", "fp64"} and peaks["fp8"] >= peaks["bf16"] >= 0
