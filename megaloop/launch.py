@@ -7,18 +7,24 @@ SHUTDOWN_TIMEOUT_S for them to save. When the workers stopped cleanly (an agreed
 the time budget) this command says so in one line and exits with their code, 75, where torchrun itself would exit 1
 with a traceback. A stop is clean when rank 0 left a STOPPED marker in train.out_dir during this launch (written
 after the checkpoint was committed, before any rank exits) or every worker that failed exited 75, and no worker
-failed otherwise (a rank the agent terminated after another one exited does not count).
+failed otherwise (a rank the agent terminated after another one exited does not count). Workers that refuse their
+input (exit code 2: bad data, a checkpoint that does not fit) leave their one-line error in a folder this command
+made, instead of printing it once per rank; it shows each distinct line once and exits 2.
 """
 from __future__ import annotations
 
 import os
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+from megaloop.train.cli import ERROR_DIR_ENV
+
 SHUTDOWN_TIMEOUT_S = 300  # the workers' time to finish the step and save after a forwarded signal
 FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGUSR1,SIGHUP,SIGQUIT"
+BAD_INPUT_EXIT_CODE = 2  # a worker's one-line refusal of its config or data (megaloop.train.cli.report_bad_input)
 
 
 def run_launch(args) -> int:
@@ -42,11 +48,20 @@ def run_launch(args) -> int:
               f"(exit code {STOP_EXIT_CODE})", file=sys.stderr, flush=True)
         return STOP_EXIT_CODE
     _quiet_clean_stops(STOP_EXIT_CODE)
+    _quiet_clean_stops(BAD_INPUT_EXIT_CODE)
     started = time.time()
-    outcome = _run_agent(torchrun)
-    if outcome is None:
-        return 0
-    codes, signum = outcome
+    with tempfile.TemporaryDirectory(prefix="megaloop-launch-errors-") as errors:
+        os.environ[ERROR_DIR_ENV] = errors
+        try:
+            outcome = _run_agent(torchrun)
+        finally:
+            os.environ.pop(ERROR_DIR_ENV, None)
+        if outcome is None:
+            return 0
+        codes, signum = outcome
+        if BAD_INPUT_EXIT_CODE in codes and all(code in (BAD_INPUT_EXIT_CODE, STOP_EXIT_CODE) or code < 0
+                                                for code in codes):  # the others stopped or were terminated
+            return _show_bad_input(Path(errors))
     stop = _stopped_marker(Path(cfg.train.out_dir), started)
     clean = all(code == STOP_EXIT_CODE or code < 0 for code in codes) and (
         stop is not None or (codes and all(code == STOP_EXIT_CODE for code in codes)))
@@ -62,6 +77,21 @@ def run_launch(args) -> int:
     print(f"megaloop launch: a worker failed (exit codes {sorted(set(codes))}; its error is above); fix it and run "
           "the same command again", file=sys.stderr, flush=True)
     return 1
+
+
+def _show_bad_input(errors: Path) -> int:
+    """Every worker stopped on bad input (exit code 2): each distinct error line once (with the ranks when they
+    differ), and exit code 2."""
+    lines: dict[str, list[str]] = {}
+    for path in sorted(errors.glob("rank*.txt"), key=lambda p: int(p.stem[4:] or 0)):
+        lines.setdefault(path.read_text().strip(), []).append(path.stem[4:])
+    if not lines:
+        print("megaloop launch: the workers refused their input (exit code 2) without saying why; run `python -m "
+              "megaloop train` with the same arguments to see the error", file=sys.stderr, flush=True)
+    for line, ranks in lines.items():
+        where = f" (rank {', '.join(ranks)})" if len(lines) > 1 else ""
+        print(f"{line}{where}", file=sys.stderr, flush=True)
+    return BAD_INPUT_EXIT_CODE
 
 
 def _run_agent(torchrun_args: list[str]) -> tuple[list[int], int | None] | None:

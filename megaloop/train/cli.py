@@ -34,11 +34,9 @@ def run_training(cfg: Config) -> int:
         print(f"megaloop: {err}", file=sys.stderr)
         return 1
     except (ConfigError, DataPrepError, ResumeError, FileNotFoundError) as err:
-        print(f"megaloop: {err}", file=sys.stderr)
-        return 2
+        return report_bad_input(f"megaloop: {err}")
     except LayoutError as err:
-        print(f"megaloop: parallel layout error: {err}", file=sys.stderr)
-        return 2
+        return report_bad_input(f"megaloop: parallel layout error: {err}")
     if summary.is_main:
         print(format_summary(cfg, summary))
     if summary.interrupted:
@@ -47,6 +45,26 @@ def run_training(cfg: Config) -> int:
                   f"checkpoint; run the same command again to continue (exit code {STOP_EXIT_CODE})", file=sys.stderr)
         return STOP_EXIT_CODE
     return 0
+
+
+ERROR_DIR_ENV = "MEGALOOP_ERROR_DIR"  # set by `megaloop launch`: where each rank leaves its bad-input line
+
+
+def report_bad_input(line: str) -> int:
+    """Exit code 2 with one line: on stderr, or, under `megaloop launch`, in the launcher's error folder (one file
+    per rank), so that the launcher shows each distinct error once instead of once per rank."""
+    import os
+
+    folder = os.environ.get(ERROR_DIR_ENV)
+    if folder:
+        try:
+            with open(os.path.join(folder, f"rank{os.environ.get('RANK', '0')}.txt"), "w") as f:
+                f.write(line + "\n")
+            return 2
+        except OSError:
+            pass  # the folder is gone: say it here instead
+    print(line, file=sys.stderr)
+    return 2
 
 
 def format_summary(cfg: Config, s) -> str:

@@ -57,3 +57,20 @@ def test_ctrl_c_to_the_launcher_saves_and_exits_75(tiny_shards, tmp_path):
     code, err = finish(proc)
     step = json.loads((tmp_path / "STOPPED").read_text())["step"]
     assert_clean_stop(code, err, step, "SIGINT")
+
+
+def test_bad_data_exits_2_with_the_error_once(tiny_shards, tmp_path):
+    """Every rank refuses a shard set whose shard does not match its manifest: the launcher exits 2 (not torchrun's
+    1) and shows the one-line error once, not once per rank plus the agent's failure records."""
+    import shutil
+
+    shards = tmp_path / "shards"
+    shutil.copytree(tiny_shards, shards)
+    shard = sorted(shards.glob("train-*.tar"))[0]
+    with open(shard, "ab") as f:
+        f.write(b"\0" * 512)  # a size the manifest does not list
+    code, err = finish(launch(shards, tmp_path / "run", 4))
+    assert code == 2, err
+    errors = [line for line in err.splitlines() if line.startswith("megaloop:")]
+    assert len(errors) == 1 and shard.name in errors[0], err
+    assert "exitcode" not in err and "Traceback" not in err and "ChildFailedError" not in err, err
