@@ -76,7 +76,8 @@ def _run(args) -> int:
                    args.exit_threshold, {tokenizer.eos_id})
     laps = gen.prompt_laps + gen.laps
     out = {"prompt": args.prompt, "text": tokenizer.decode(gen.tokens), "tokens": len(gen.tokens), "depth": depth,
-           "mean_laps": sum(laps) / len(laps)}
+           "mean_laps": sum(laps) / len(laps), "stopped": _stop_reason(gen.tokens, args.max_new_tokens, len(prompt),
+                                                                       cfg.seq_len, tokenizer.eos_id)}
     if args.score_text:
         if args.exit_threshold is None:
             raise EvalInputError("--score-text measures adaptive depth: give --exit-threshold EPS too")
@@ -84,14 +85,26 @@ def _run(args) -> int:
     if args.json:
         print(json.dumps(out, indent=1))
     else:
+        if not args.prompt:
+            print("[the prompt is empty: generating from <|bos|> alone]", file=sys.stderr)
         print(args.prompt + out["text"])
-        print(f"[{out['tokens']} tokens at T={depth}; mean laps per position {out['mean_laps']:.2f}]",
-              file=sys.stderr)
+        print(f"[{out['tokens']} tokens at T={depth}, {out['stopped']}; mean laps per position "
+              f"{out['mean_laps']:.2f}]", file=sys.stderr)
         if "score" in out:
             for r in out["score"]["adaptive"]:
                 print(f"[eps {r['eps']:g}: mean laps {r['mean_laps']:.2f}, loss {r['loss']:.4f}; fixed T at equal "
                       f"compute {r['fixed_loss_at_equal_compute']:.4f}]", file=sys.stderr)
     return 0
+
+
+def _stop_reason(tokens: list[int], asked: int, prompt_tokens: int, seq_len: int, eos_id: int) -> str:
+    """Why generation ended: the end-of-text token, the model's context, or the tokens asked for."""
+    if tokens and tokens[-1] == eos_id:
+        return "stopped at <|eos|>"
+    if len(tokens) < asked:
+        return (f"stopped at the context limit ({asked} asked: the model runs at most seq_len {seq_len} positions "
+                f"and the prompt took {prompt_tokens} with <|bos|>)")
+    return f"the {asked} asked for"
 
 
 def _score(model, tokenizer, args, depth) -> dict:

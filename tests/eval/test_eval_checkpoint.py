@@ -94,3 +94,22 @@ def test_gpt_baseline_runs_only_t1(tmp_path, capsys):
     model = small_model(injection="none", mu_rec=1, mu_bwd=1, arch="gpt", prelude_norm=False, use_C=False)
     save_checkpoint(model, tmp_path)
     _one_line_exit_2(capsys, ["eval", str(tmp_path), "--depths", "2"], "T=1 only")
+
+
+def test_generate_says_why_it_stopped_and_when_the_prompt_is_empty(saved, monkeypatch, capsys):
+    """40 tokens asked where the context holds 13 more: the 13 come with the reason; an empty prompt is named as
+    generation from <|bos|> alone."""
+    import json
+
+    import megaloop.eval.cli as eval_cli
+    from tests.eval.eval_helpers import ByteTokenizer
+
+    _, root = saved
+    monkeypatch.setattr(eval_cli, "load_tokenizer_for", lambda *a: ByteTokenizer())
+    assert main(["generate", str(root), "--prompt", "abcdefghij", "--max-new-tokens", "40", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"] == 24 - 11, out  # seq_len 24, the prompt 10 bytes + <|bos|>
+    assert out["stopped"].startswith("stopped at the context limit (40 asked") and "seq_len 24" in out["stopped"]
+    assert main(["generate", str(root), "--prompt", "", "--max-new-tokens", "3"]) == 0
+    err = capsys.readouterr().err
+    assert "the prompt is empty: generating from <|bos|> alone" in err and "3 tokens at T=3, the 3 asked for" in err
