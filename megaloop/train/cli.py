@@ -37,7 +37,7 @@ def run_training(cfg: Config) -> int:
         return report_bad_input(f"megaloop: {err}")
     except LayoutError as err:
         return report_bad_input(f"megaloop: parallel layout error: {err}")
-    if summary.is_main:
+    if summary.is_main and not summary.nothing_to_do:  # a job that trained nothing has said so in one line
         print(format_summary(cfg, summary))
     if summary.interrupted:
         if summary.is_main:

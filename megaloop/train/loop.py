@@ -61,6 +61,7 @@ class RunSummary:
     is_main: bool = True
     val: dict = field(default_factory=dict)
     losses: list = field(default_factory=list)
+    nothing_to_do: bool = False  # the run was already at train.steps: this job trained nothing (rerun.py)
 
     @property
     def tokens_per_s(self) -> float:

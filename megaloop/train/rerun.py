@@ -29,7 +29,7 @@ def recorded_summary(cfg: Config, runtime: TrainerRuntime, step: int, tokens: in
         print(f"megaloop: nothing to do: the run is at step {step} of train.steps={cfg.train.steps} (raise "
               "train.steps to train further); no file of the run was changed", file=sys.stderr, flush=True)
     summary = RunSummary(steps_done=step, start_step=step, tokens=tokens, is_main=runtime.is_main,
-                         n_params=count_parameters(build_model(cfg.model, device="meta")))
+                         n_params=count_parameters(build_model(cfg.model, device="meta")), nothing_to_do=True)
     recorded = Path(cfg.train.out_dir) / "summary.json"
     try:
         saved = json.loads(recorded.read_text())

@@ -31,6 +31,7 @@ from megaloop.model.transfer import HostCopy, to_device
 from megaloop.train.flops import FlopModel
 from megaloop.train.precision import autocast_for
 from megaloop.train.protocols import TrainerRuntime
+from megaloop.train.stopping import STOP_CODES, job_stop_code
 
 # Telemetry averaged over the step's rows (each micro-batch's value weighted by its rows; under sequence parallelism a
 # tensor-parallel rank's value is a mean over its positions, so the job-wide sum divided by tp averages them).
@@ -40,7 +41,6 @@ TELEMETRY = ("rho_A", "state_norm", "recurrent_residual")
 # sums and core passes are also counted by every pipeline stage (divided by pp_size too), while the loss and each
 # telemetry value come from one stage (the others report zero).
 HOST_SUMS = ("tokens", "sequences", "useful_flops", "executed_flops", "depth_sum")
-STOP_CODES = 2  # slots counting ranks that stop for a signal (code 1) or for the time limit (code 2)
 
 
 @dataclass
@@ -230,7 +230,7 @@ class StepFigures:
     idle_fraction: float  # FLOP-weighted: 1 - useful FLOPs / (dp x the busiest dp rank's executed FLOPs)
     idle_fraction_loop: float  # the same over core passes only (the figure logged before FLOP weighting)
     telemetry: dict
-    stop_code: int  # 0: go on; 1: some rank had a signal; 2: some rank ran out of time (and none had a signal)
+    stop_code: int  # 0: go on; else the job's stop code (stopping.job_stop_code: a signal's, or the time limit's)
 
 
 def pack(stats: StepStats, flop_model: FlopModel, seq: int, dp_rank: int, dp_size: int, stop_code: int,
@@ -291,4 +291,4 @@ def reduce_step(stats: StepStats, runtime: TrainerRuntime) -> StepFigures:
         idle_fraction=idle_fraction(host["useful_flops"], rank_flops),
         idle_fraction_loop=idle_fraction(host["depth_sum"], rank_core_rows),
         telemetry={name: v / sequences for name, v in zip(TELEMETRY, tel)},
-        stop_code=1 if stops[0] > 0 else 2 if stops[1] > 0 else 0)
+        stop_code=job_stop_code(stops))

@@ -28,7 +28,12 @@ import time
 from megaloop.config import ConfigError
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
-REASONS = {1: "signal", 2: "time limit"}
+# stop codes, summed over the job as one slot per code (megaloop.train.step): every rank learns which signal stopped
+# the job, not only that one did, so the STOPPED marker names it whichever rank it reached
+TIME_LIMIT_CODE = 2
+SIGNAL_CODES = {signal.SIGINT: 3, signal.SIGTERM: 4, signal.SIGUSR1: 5}
+REASONS = {1: "signal", TIME_LIMIT_CODE: "time limit", **{c: s.name for s, c in SIGNAL_CODES.items()}}
+STOP_CODES = max(REASONS)  # codes 1..STOP_CODES
 _EARLY: list[str] = []  # signals received before StopRequests took over (see hold_early_signals)
 
 
@@ -80,6 +85,7 @@ class StopRequests:
         self.deadline = deadline
         self.starting = starting  # a signal now raises StartupStop (until begin_steps)
         self.signal_name: str | None = None
+        self.signal_code = 1  # this rank's signal as a stop code (SIGNAL_CODES)
         self.reason: str | None = None
         self.slowest_step = 0.0
         self.slowest_save = 0.0
@@ -98,11 +104,11 @@ class StopRequests:
         self.slowest_save = max(self.slowest_save, seconds)
 
     def local_code(self) -> int:
-        """This rank's reason to stop now: 0 none, 1 a signal, 2 the time budget."""
+        """This rank's reason to stop now: 0 none, its signal's code (SIGNAL_CODES), or TIME_LIMIT_CODE."""
         if self._signalled:
-            return 1
+            return self.signal_code
         if self.deadline is not None and time.time() + 2 * self.slowest_step + self.slowest_save >= self.deadline:
-            return 2
+            return TIME_LIMIT_CODE
         return 0
 
     def decide(self, code: int) -> bool:
@@ -110,6 +116,7 @@ class StopRequests:
         if code:
             self.reason = self.signal_name if code == 1 and self.signal_name else REASONS[code]
         return bool(code)
+
 
     def __enter__(self):
         for sig in STOP_SIGNALS:
@@ -129,9 +136,20 @@ class StopRequests:
             raise KeyboardInterrupt
         self._signalled = True
         self.signal_name = signal.Signals(signum).name
+        self.signal_code = SIGNAL_CODES.get(signal.Signals(signum), 1)
         if self.starting:
             raise StartupStop(self.signal_name)
 
     def __exit__(self, *exc):
         for sig, old in self._old.items():
             signal.signal(sig, old)
+
+
+def job_stop_code(ranks_per_code) -> int:
+    """The job-wide code from the number of ranks that stop with each code 1..STOP_CODES: a signal's (the first
+    of SIGNAL_CODES' order that some rank received) before the time limit."""
+    counts = dict(zip(range(1, STOP_CODES + 1), ranks_per_code))
+    for code in (*SIGNAL_CODES.values(), 1, TIME_LIMIT_CODE):
+        if counts.get(code, 0) > 0:
+            return code
+    return 0

@@ -105,6 +105,8 @@ def test_sigterm_to_one_rank_stops_all_at_one_step(world, tp, tiny_shards, tmp_p
     step = int(latest.split("_")[-1])
     assert 0 < step < STEPS and (out / "checkpoints" / latest / "COMMIT").is_file()
     assert f"stopped after step {step}" in log
+    # rank 0 writes the marker; the signal reached rank 3 only, and every rank learns which one it was
+    assert json.loads((out / "STOPPED").read_text())["reason"] == "SIGTERM"
 
     procs = launch(command(tiny_shards, out, tp), world, tmp_path)
     assert wait_all(procs, 600) == [0] * world, (tmp_path / "rank0.log").read_text()[-3000:]

@@ -138,3 +138,16 @@ def test_checkpoints_without_a_recorded_horizon_use_their_train_steps(tiny_shard
     assert schedule_horizon(old_meta, config(tiny_shards, tmp_path, 6), 4, notes.append) == 4 and notes
     assert schedule_horizon(old_meta, config(tiny_shards, tmp_path, 4), 2, notes.append) == 4
     assert schedule_horizon(old_meta, config(tiny_shards, tmp_path, 6, "train.extend=rewarm"), 4, print) == 6
+
+
+def test_a_rerun_with_nothing_to_do_prints_that_line_only(finished, tiny_shards, capfd):
+    """No closing table of nan and blanks for a job that trained nothing: the one line says it all."""
+    from megaloop.train.cli import run_training
+
+    out, _ = finished
+    assert run_training(config(tiny_shards, out, 4)) == 0
+    captured = capfd.readouterr()
+    assert captured.out.strip() == "" and "nan" not in captured.err, captured.out
+    assert captured.err.strip().splitlines()[-1] == (
+        "megaloop: nothing to do: the run is at step 4 of train.steps=4 (raise train.steps to train further); no "
+        "file of the run was changed")

@@ -88,3 +88,17 @@ def test_usr1_during_the_build_exits_75_and_the_rerun_resumes_without_init(tiny_
     assert again.start_step == 2 and again.steps_done == 4 and not again.interrupted
     assert calls == [] and fresh_calls > 0  # the resumed build initialised nothing: the checkpoint filled it
     assert json.loads((tmp_path / "COMPLETED").read_text()) == {"step": 4}
+
+
+def test_the_job_stop_code_names_the_signal_whichever_rank_had_it():
+    from megaloop.train.stopping import SIGNAL_CODES, STOP_CODES, TIME_LIMIT_CODE, StopRequests, job_stop_code
+
+    def counts(**by_code):
+        return [by_code.get(f"c{code}", 0) for code in range(1, STOP_CODES + 1)]
+
+    term, usr1 = SIGNAL_CODES[signal.SIGTERM], SIGNAL_CODES[signal.SIGUSR1]
+    assert job_stop_code(counts()) == 0
+    assert job_stop_code(counts(**{f"c{TIME_LIMIT_CODE}": 3})) == TIME_LIMIT_CODE
+    assert job_stop_code(counts(**{f"c{TIME_LIMIT_CODE}": 3, f"c{usr1}": 1})) == usr1  # a signal before the time
+    flag = StopRequests()  # rank 0: no signal of its own
+    assert flag.decide(job_stop_code(counts(**{f"c{term}": 1}))) and flag.reason == "SIGTERM"
