@@ -30,13 +30,24 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 SECTIONS_HINT = "model, parallel, data, optim, train, checkpoint"
 
 
+def shipped_configs() -> Path:
+    """The checkout's configs/ folder, named so that a hint is right from any working directory (relative to it
+    when it lies below, absolute otherwise)."""
+    folder = Path(__file__).resolve().parents[2] / "configs"
+    try:
+        return folder.relative_to(Path.cwd())
+    except ValueError:
+        return folder
+
+
 def _read_config_file(path: Path) -> dict:
     """The YAML mapping of a config file; every way it can be unusable is a ConfigFileError naming the file."""
     if path.is_dir():
-        raise ConfigFileError(path, "is a directory, not a config file; pass a YAML file such as "
-                                    "configs/parcae-tiny.yaml")
+        raise ConfigFileError(path, f"is a directory, not a config file; pass a YAML file such as "
+                                    f"{shipped_configs() / 'parcae-tiny.yaml'}")
     if not path.is_file():
-        raise FileNotFoundError(f"config file {path} does not exist (configs live in configs/*.yaml)")
+        raise FileNotFoundError(f"config file {path} does not exist (the shipped configs are "
+                                f"{shipped_configs()}/*.yaml, e.g. {shipped_configs() / 'parcae-tiny.yaml'})")
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:

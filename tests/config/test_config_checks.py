@@ -1,5 +1,5 @@
-"""train.fp8 where no block layer can run in FP8 is a config error before any work, and the config's idea of the
-block layers' shapes is the model's own."""
+"""Config checks before any work: train.fp8 where no block layer can run in FP8 is a config error, the config's idea of
+the block layers' shapes is the model's own, and a missing config file names the checkout's configs folder."""
 from pathlib import Path
 
 import pytest
@@ -44,3 +44,10 @@ def test_shapes_and_eligibility_match_the_built_model(overrides):
     expected = sorted(f"core.{i}.{role}" for i, block in enumerate(model.core) for role in fp8_eligible(cfg)
                       if role != "attn.ve_gate" or block.attn.ve_gate is not None)
     assert sorted(converted) == expected
+
+
+def test_a_missing_config_names_the_checkouts_configs_from_any_directory(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # run from outside the checkout: "configs/*.yaml" alone would point nowhere
+    assert main(["check", "configs/parcae-tny.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert str(TINY.parent) in err and (TINY.parent / "parcae-tiny.yaml").is_file()
