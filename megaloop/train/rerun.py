@@ -70,9 +70,11 @@ def schedule_horizon(meta: dict, cfg: Config, step: int, note) -> int:
     if not saved or steps <= saved:
         return steps
     if cfg.train.extend == "continue":
+        first = max(saved, step)  # the steps this job runs beyond the horizon (earlier extensions ran the others)
+        done = f", as steps {saved}..{step - 1} did" if step > saved else ""
         note(f"train.steps={steps} extends a run whose schedule spans {saved} steps: train.extend=continue keeps "
-             f"it, steps {saved}..{steps - 1} run at the rate of step {saved - 1} (train.extend=rewarm spans the "
-             f"schedule over {steps} steps instead)")
+             f"it, steps {first}..{steps - 1} run at the rate of step {saved - 1}{done} (train.extend=rewarm spans "
+             f"the schedule over {steps} steps instead)")
         return saved
     note(f"train.steps={steps} extends a run whose schedule spans {saved} steps: train.extend=rewarm spans it over "
          f"{steps} steps (from step {step} the learning rate follows that schedule, higher if the run had cooled down)")

@@ -151,3 +151,16 @@ def test_a_rerun_with_nothing_to_do_prints_that_line_only(finished, tiny_shards,
     assert captured.err.strip().splitlines()[-1] == (
         "megaloop: nothing to do: the run is at step 4 of train.steps=4 (raise train.steps to train further); no "
         "file of the run was changed")
+
+
+def test_a_second_extension_names_only_the_steps_it_runs(tiny_shards, tmp_path):
+    """A schedule of 100 steps, extended to 150 and now to 160: this job runs 150..159 at step 99's rate (100..149
+    already did), not '100..159'."""
+    from megaloop.train.rerun import schedule_horizon
+
+    notes = []
+    assert schedule_horizon({"schedule_steps": 100}, config(tiny_shards, tmp_path, 160), 150, notes.append) == 100
+    assert "steps 150..159 run at the rate of step 99, as steps 100..149 did" in notes[0], notes
+    notes.clear()
+    assert schedule_horizon({"schedule_steps": 100}, config(tiny_shards, tmp_path, 150), 100, notes.append) == 100
+    assert "steps 100..149 run at the rate of step 99 (" in notes[0], notes
