@@ -6,8 +6,9 @@ import sys
 
 from megaloop.config import Config
 
-NO_VALIDATION_HINT = ("the shards have no val split, e.g. made with --val-fraction 0, or data.val_batches=0; "
-                      "re-create the shards with --val-fraction > 0 to measure it")
+NO_VALIDATION_HINT = ("the shards have no val split (e.g. made with --val-fraction 0); re-create the shards with "
+                      "--val-fraction > 0 to measure it")
+VALIDATION_OFF_HINT = "validation was off (data.val_batches=0; `megaloop bench` turns it off to time the steps alone)"
 
 
 def run_training(cfg: Config) -> int:
@@ -80,7 +81,8 @@ def format_summary(cfg: Config, s) -> str:
         f"{'T':>4} {'val loss':>9} {'val bpb':>8}",
     ]
     if s.val and not any(v["tokens"] for v in s.val.values()):
-        lines.append(f"{'all':>4} {'n/a':>9} {'n/a':>8}  (no validation tokens: {NO_VALIDATION_HINT})")
+        hint = VALIDATION_OFF_HINT if cfg.data.val_batches == 0 else NO_VALIDATION_HINT
+        lines.append(f"{'all':>4} {'n/a':>9} {'n/a':>8}  (no validation tokens: {hint})")
     for depth, v in sorted(s.val.items()) if any(v["tokens"] for v in s.val.values()) else ():
         loss = "n/a" if not math.isfinite(v["val_loss"]) else f"{v['val_loss']:.4f}"
         bpb = "n/a" if not math.isfinite(v["val_bpb"]) else f"{v['val_bpb']:.3f}"

@@ -63,3 +63,17 @@ def test_val_lines_name_their_step_and_validation_shows_a_bar(capsys):
     out, err = capsys.readouterr()
     assert "val at step 3" in err, err                     # the bar, on stderr
     assert "[val] step 3: T1:5.000 T4:n/a" in out, out     # the line, printed above the bars
+
+
+def test_validation_turned_off_is_not_blamed_on_the_shards(tiny_shards, tmp_path):
+    """data.val_batches=0 (what `megaloop bench` sets): the table says validation was off, and does not send the user
+    to re-create shards that have a val split."""
+    from megaloop.train.loop import RunSummary
+
+    nan = float("nan")
+    summary = RunSummary(steps_done=2, val={2: {"tokens": 0, "val_loss": nan, "val_bpb": nan}})
+    off = format_summary(load_config(TINY, fast_overrides(tiny_shards, tmp_path, 2) + ["data.val_batches=0"]),
+                         summary)
+    assert "validation was off (data.val_batches=0" in off and "--val-fraction" not in off, off
+    on = format_summary(load_config(TINY, fast_overrides(tiny_shards, tmp_path, 2)), summary)
+    assert "--val-fraction" in on and "validation was off" not in on, on
