@@ -8,6 +8,9 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from pathlib import Path
+
+from data_prep.paths import LocalPath
 
 HELP = ("run every communication path (tp2 x dp and pp2 x dp training steps against one process, the ring pipeline "
         "with parcae-1_3b-sized messages, ZeRO-1 reduce-scatter/all-gather, distributed Muon, a dp checkpoint saved "
@@ -23,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--only", default=",".join(PATHS), metavar="PATH[,PATH]",
                    help=f"run these paths only, in this order (default: all: {','.join(PATHS)})")
     p.add_argument("--json", action="store_true", help="also print the results as one JSON line at the end")
-    p.add_argument("--work-dir", help="folder for the data and the runs' checkpoints, readable by every node (default:"
+    p.add_argument("--work-dir", type=LocalPath(), help="folder for the data and the runs' checkpoints, readable by every node (default:"
                                       " a temporary folder, removed afterwards)")
     p.add_argument("--keep", action="store_true", help="keep the temporary folder")
     p.add_argument("--min-bw-fraction", type=float, default=0.0, metavar="F",
@@ -80,8 +83,71 @@ def worker_argv(args) -> list[str]:
     return argv + (["--work-dir", args.work_dir] if args.work_dir else [])
 
 
+# A CPU worker's peak resident memory is ~0.9 GB (measured with 2 workers: every path, the 1.3B-shaped ring
+# messages included); more than 2 one-thread workers per core make the collectives time out instead of measuring.
+WORKER_MEMORY_GB = 1.0
+PROCESSES_PER_CORE = 2
+
+
+def available_memory_gb() -> float:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping), in GB; inf where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024 / 1e9
+    except (OSError, ValueError, IndexError):
+        pass
+    return float("inf")
+
+
+def check_local_fit(nproc: int, cores: int, memory_gb: float) -> None:
+    """N CPU workers on this machine: refused (a config error naming a size that fits) when they need more memory
+    than is available or more than PROCESSES_PER_CORE per available core."""
+    from megaloop.config import ConfigError
+
+    fits = int(min(PROCESSES_PER_CORE * cores, memory_gb // WORKER_MEMORY_GB))
+    fits -= fits % 2
+    if nproc <= fits:
+        return
+    need = nproc * WORKER_MEMORY_GB
+    advice = f"use --nproc-per-node {fits} or fewer" if fits >= 2 else "this machine cannot run the preflight"
+    raise ConfigError("--nproc-per-node", nproc, f"{nproc} CPU workers need about {need:.0f} GB of memory "
+                      f"({WORKER_MEMORY_GB:.0f} GB each) and at least {-(-nproc // PROCESSES_PER_CORE)} cores (at "
+                      f"most {PROCESSES_PER_CORE} workers per core), and this machine has {memory_gb:.1f} GB "
+                      f"available and {cores} core(s); {advice}")
+
+
 def launch(args) -> int:
-    """torchrun's agent in this process (--standalone) running this command on N workers; the workers print."""
+    """torchrun's agent in this process (--standalone) running this command on N workers; the workers print. The
+    work folder is made here and removed here on every exit (unless --keep or --work-dir)."""
+    nproc = args.nproc_per_node or default_nproc(args.device)
+    if args.device == "cpu" or not _cuda_available():
+        from megaloop.train.peak import available_cores
+
+        check_local_fit(nproc, available_cores(), available_memory_gb())
+    if args.work_dir:
+        return _launch(args, nproc)
+    import shutil
+    import tempfile
+
+    work = tempfile.mkdtemp(prefix="megaloop-preflight-")
+    args.work_dir = work
+    try:
+        return _launch(args, nproc)
+    finally:
+        if args.keep:
+            print(f"megaloop preflight: kept the work folder {work}", file=sys.stderr, flush=True)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _launch(args, nproc: int) -> int:
     import logging
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -89,7 +155,6 @@ def launch(args) -> int:
 
     from megaloop.preflight.worker import FAILED_EXIT_CODE
 
-    nproc = args.nproc_per_node or default_nproc(args.device)
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
         lambda record: f"exitcode: {FAILED_EXIT_CODE})" not in record.getMessage())
     sys.stdout.flush()

@@ -56,3 +56,55 @@ def test_bad_options_are_one_line(args, key, capsys):
     assert main(["preflight", *args]) == 2
     err = capsys.readouterr().err
     assert err.strip().count("\n") == 0 and key in err
+
+
+def test_more_local_workers_than_the_machine_holds_are_refused_before_any_start(monkeypatch, capsys):
+    """64 workers on 2 cores and 23 GB: one line, exit 2, a size that fits, and nothing started."""
+    import megaloop.preflight.cli as cli
+    import megaloop.train.peak as peak
+    from megaloop.__main__ import main
+
+    monkeypatch.setattr(peak, "available_cores", lambda: 2)
+    monkeypatch.setattr(cli, "available_memory_gb", lambda: 23.0)
+    monkeypatch.setattr(cli, "_launch", lambda *a: pytest.fail("workers were started"))
+    assert main(["preflight", "--nproc-per-node", "64", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "64 CPU workers need about 64 GB" in err
+    assert "use --nproc-per-node 4 or fewer" in err
+
+
+@pytest.mark.parametrize("nproc, cores, memory, fits", [(4, 2, 23.0, True), (6, 2, 23.0, False),
+                                                        (10, 64, 10.5, True), (12, 64, 10.5, False)])
+def test_the_fit_counts_cores_and_memory(nproc, cores, memory, fits):
+    from megaloop.config import ConfigError
+    from megaloop.preflight.cli import check_local_fit
+
+    if fits:
+        check_local_fit(nproc, cores, memory)
+    else:
+        with pytest.raises(ConfigError, match=f"use --nproc-per-node {min(2 * cores, int(memory)) // 2 * 2} or"):
+            check_local_fit(nproc, cores, memory)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_the_work_folder_goes_on_every_exit(monkeypatch, tmp_path, keep):
+    """A run that dies (here: its workers' agent raising) leaves no work folder in the temporary directory, unless
+    --keep asked for it."""
+    import tempfile
+
+    import megaloop.preflight.cli as cli
+    from megaloop.__main__ import main
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    seen = []
+
+    def dying(args, nproc):
+        seen.append(args.work_dir)
+        (tmp_path / os.path.basename(args.work_dir) / "data").mkdir()
+        raise SystemExit(1)
+
+    monkeypatch.setattr(cli, "_launch", dying)
+    with pytest.raises(SystemExit):
+        main(["preflight", "--nproc-per-node", "2", "--device", "cpu", *(["--keep"] if keep else [])])
+    assert seen and os.path.dirname(seen[0]) == str(tmp_path)
+    assert os.path.isdir(seen[0]) == keep
