@@ -79,7 +79,9 @@ def _add_inspect_parser(commands) -> None:
     p = commands.add_parser("inspect", help="report on a shard directory and check its checksums",
                             description="Print counts, verify shard checksums and structure, check the tokenizer "
                             "hash and decode a sample row. Exit status 1 when anything is wrong.")
-    p.add_argument("shard_dir", help="directory written by `data_prep shards`")
+    p.add_argument("shard_dir", help="directory written by `data_prep shards`, or the s3:// or http(s):// URL it was "
+                   "uploaded to (read as the loader reads it)")
+    p.add_argument("--s3-endpoint", default=None, help="an S3-compatible store's URL (default: AWS_ENDPOINT_URL)")
     p.add_argument("--verify", choices=("full", "fast", "none"), default="full",
                    help="full: sha256 of every shard; fast: sizes only; none")
     p.add_argument("--tokenizer", default=None, type=LocalPath(),
@@ -193,11 +195,21 @@ def run_inspect(args) -> int:
         raise DataPrepError(f"--tokenizer {args.tokenizer} is not a directory",
                             "pass the directory written by `python -m data_prep tokenizer`, or leave --tokenizer out "
                             "to use the copy in SHARD_DIR/tokenizer")
-    splits = sorted(read_manifest(args.shard_dir)["splits"])
+    from .paths import is_url
+    from .sources import open_source
+
+    if is_url(args.shard_dir):
+        source = open_source(args.shard_dir, s3_endpoint=args.s3_endpoint)
+        try:
+            splits = sorted(source.manifest()["splits"])
+        finally:
+            source.close()
+    else:
+        splits = sorted(read_manifest(args.shard_dir)["splits"])
     if args.split not in splits:
         raise DataPrepError(f"--split {args.split!r} is not a split of {args.shard_dir}", f"use one of {splits}")
     problems = inspect_shards(args.shard_dir, args.verify, args.tokenizer, args.split, args.sample_tokens,
-                              progress=not args.quiet)
+                              progress=not args.quiet, s3_endpoint=args.s3_endpoint)
     print("OK" if problems == 0 else f"{problems} problem(s) found")
     return 0 if problems == 0 else 1
 

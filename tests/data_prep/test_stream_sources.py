@@ -327,3 +327,21 @@ def test_a_mix_of_corpora_gives_each_its_quota_per_batch_under_any_dp(servers, t
     _, state = ids(2, steps=10)
     resumed, _ = ids(1, steps=20, start=state)
     assert np.array_equal(resumed, one[10:])
+
+
+def test_inspect_reads_a_remote_shard_set_as_the_loader_does(tiny_shards, tmp_path):
+    """`data_prep inspect URL` on a served shard set: the manifest, every shard fetched and checked, the tokenizer's
+    hash and a sample row, exit 0; an altered shard is named BAD and the exit code is 1."""
+    from data_prep.cli import main as data_prep_main
+
+    server = FileServer(tiny_shards)
+    try:
+        assert data_prep_main(["inspect", server.url, "--quiet"]) == 0
+    finally:
+        server.down()
+    names = sorted(p.name for p in tiny_shards.glob("*.tar"))
+    server = FileServer(tiny_shards, flip={names[0]})
+    try:
+        assert data_prep_main(["inspect", server.url, "--quiet"]) == 1
+    finally:
+        server.down()
