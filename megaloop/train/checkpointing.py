@@ -256,6 +256,10 @@ class RunCheckpoints:
                               "holding one: point it at a step_XXXXXXXX directory or at a checkpoint root")
         return found
 
+    def _unusable_checkpoints(self) -> bool:
+        """This run's checkpoints were all set aside as corrupt (<name>.corrupt) and none is left."""
+        return any(self.root.glob("step_*.corrupt")) if self.root.is_dir() else False
+
     def _refuse_used_out_dir(self) -> None:
         """A fresh start in an out_dir that holds metrics but no checkpoint: refused when that run COMPLETED (its
         record must stay); otherwise the earlier attempt ended before its first checkpoint (killed, a data error),
@@ -263,27 +267,33 @@ class RunCheckpoints:
         from megaloop.train.rerun import set_aside_metrics
 
         out = Path(self.cfg.train.out_dir)
-        used, completed = self.runtime.all_gather_object(((out / "metrics.jsonl").exists(),
-                                                          (out / "COMPLETED").exists()))[0]
-        if used and completed:
+        used, completed, corrupt = self.runtime.all_gather_object(((out / "metrics.jsonl").exists(),
+                                                                   (out / "COMPLETED").exists(),
+                                                                   self._unusable_checkpoints()))[0]
+        if used and completed and not corrupt:
             raise ResumeError(f"train.out_dir={str(out)!r} already holds a completed run (COMPLETED, metrics.jsonl) "
                               f"and no checkpoint to continue it from ({self.root}): choose another train.out_dir, "
                               f"or delete {str(out)!r} to start over")
         if used:
             if self.runtime.is_main:
                 aside = set_aside_metrics(out)
-                self._note(f"{str(out)!r} holds an attempt that committed no checkpoint: starting the run afresh "
-                           f"(its metrics are kept as {aside})")
+                if completed:  # its checkpoints were all unusable: the run is trained again
+                    (out / "COMPLETED").rename(out / f"COMPLETED.{aside.split('.')[1]}")
+                why = ("whose checkpoints were all unusable (set aside as *.corrupt)" if corrupt
+                       else "that committed no checkpoint")
+                self._note(f"{str(out)!r} holds an attempt {why}: starting the run afresh (its metrics are kept "
+                           f"as {aside})")
             self.runtime.barrier()  # no rank starts writing before the old metrics are out of the way
 
     def _open_verified(self, candidates: list[Path]):
-        """The newest candidate whose files verify on every rank (each rank checks a share of the arrays);
-        a candidate that fails is reported and the previous one is tried."""
+        """The newest candidate whose files verify on every rank (each rank checks a share of the arrays); one that
+        fails is said in one line (what was found, what happens next), set aside when it is this run's own, and the
+        previous one is tried."""
         from checkpoints.errors import CheckpointError
         from checkpoints.load import CheckpointReader
 
-        problems = []
-        for path in candidates:
+        shown = candidates[-1]
+        for index, path in enumerate(candidates):
             error = None
             try:
                 reader = CheckpointReader(path)
@@ -293,30 +303,42 @@ class RunCheckpoints:
                 error = str(err)
             errors = [e for e in self.runtime.all_gather_object(error) if e]
             if not errors:
-                if problems:
-                    self._note(f"resuming from {path} instead")
                 return reader
-            problems.append(f"{path}: {errors[0]}")
-            self._note(f"checkpoint {path} is unusable ({errors[0]}); falling back to the previous one")
             shown = self._set_aside(path)
+            moved = f", set aside as {shown.name}" if shown != path else ""
+            nxt = (f"resuming from {candidates[index + 1].name} instead" if index + 1 < len(candidates)
+                   else "no other checkpoint to resume from")
+            self._note(f"checkpoint {path.name} is unusable ({_first_problem(errors[0], path)}){moved}; {nxt}")
         if shown != candidates[-1]:  # set aside (this run's own checkpoints): the next attempt starts afresh
-            todo = "run the same command again to start the run afresh"
+            todo = "run the same command again to start the run afresh (its metrics are kept beside the new ones)"
         else:
             todo = "point checkpoint.resume at another checkpoint, or leave it null to start afresh"
-        raise ResumeError("no checkpoint could be loaded: " + "; ".join(problems) + f" (`python -m checkpoints "
-                          f"verify {shown}` shows what is wrong; {todo})")
+        raise ResumeError(f"no checkpoint could be loaded (`python -m checkpoints verify {shown}` shows what is "
+                          f"wrong); {todo}")
 
     def _set_aside(self, path: Path) -> Path:
         """Rename a corrupt checkpoint of this run to <name>.corrupt (kept for inspection, no longer counted by
-        retention nor tried again); another run's checkpoints are never touched. Where the checkpoint is now."""
+        retention nor tried again) and point `latest` at the newest committed checkpoint left (or remove it when
+        none is left), so that `latest` never names a checkpoint that is not there; another run's checkpoints are
+        never touched. Where the checkpoint is now."""
+        from checkpoints import files
+        from checkpoints.load import find_checkpoints
+
         self.runtime.barrier()  # every rank is done reading it
         aside = path.with_name(f"{path.name}.corrupt")
-        if path.parent.resolve() != self.root.resolve() or (self.runtime.is_main and aside.exists()):
+        if path.parent.resolve() != self.root.resolve():
             return path
-        if self.runtime.is_main:
+        moved = False
+        if self.runtime.is_main and not aside.exists():
             path.rename(aside)
-            self._note(f"moved the unusable checkpoint to {aside}")
-        return aside
+            left = [p for p in find_checkpoints(self.root) if p.name != path.name]
+            if left:
+                files.atomic_write_text(self.root / "latest", max(left, key=lambda p: p.name).name + "\n")
+            else:
+                (self.root / "latest").unlink(missing_ok=True)
+            moved = True
+        moved = self.runtime.all_gather_object(moved)[0]  # rank 0's verdict; `latest` is settled for every rank
+        return aside if moved else path
 
     def _load_full(self, reader, model, optimizer, data: DataSource) -> None:
         from megaloop.optim.combined import join_names, load_sharded_state, parameter_names
@@ -481,3 +503,10 @@ class RunCheckpoints:
     def _note(self, message: str) -> None:
         if self.runtime.is_main:
             print(f"megaloop: {message}", file=sys.stderr, flush=True)
+
+
+def _first_problem(error: str, path: Path) -> str:
+    """A verification error without the checkpoint's path, which the line names already, and cut to its first
+    sentence."""
+    text = error.replace(f"{path}/", "").replace(f"{path}: ", "").replace(str(path), path.name)
+    return text.split("; ")[0]

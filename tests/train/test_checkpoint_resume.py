@@ -143,10 +143,41 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tiny_shards, tmp_p
     summary, _ = run(tiny_shards, tmp_path, 22)
     err = capfd.readouterr().err
     assert summary.start_step == 10, err
-    assert array in err and "falling back" in err
+    line = next(l for l in err.splitlines() if "is unusable" in l)
+    assert array in line and line.startswith("megaloop: checkpoint step_00000020 is unusable (")
+    assert line.endswith("set aside as step_00000020.corrupt; resuming from step_00000010 instead"), line
+    assert str(found[0]) not in line  # the path once, as a name, not repeated in every clause
     # the corrupt one is set aside (not tried again, not counted by retention); the new one is the latest
     assert (tmp_path / "checkpoints" / "step_00000020.corrupt").is_dir()
     assert [CheckpointReader(p).step for p in find_checkpoints(tmp_path / "checkpoints")] == [22, 10]
+
+
+def test_the_only_checkpoint_corrupt_gives_advice_that_works_when_followed(tiny_shards, tmp_path, capfd):
+    """A flipped byte in a finished run's only checkpoint: one line says what was found and that there is nothing
+    to fall back to; `latest` is gone with it (never naming a missing folder); the advice, run the same command
+    again, is followed literally and trains the run afresh, keeping the old metrics; `checkpoints verify --all`
+    then passes on the new checkpoint."""
+    from megaloop.train.checkpointing import ResumeError
+
+    run(tiny_shards, tmp_path, 4)
+    root = tmp_path / "checkpoints"
+    only = find_checkpoints(root)[0]
+    flip_a_byte(only)
+    with pytest.raises(ResumeError) as failure:
+        run(tiny_shards, tmp_path, 4)
+    err = capfd.readouterr().err
+    lines = [l for l in err.splitlines() if "is unusable" in l]
+    assert len(lines) == 1 and lines[0].endswith("set aside as step_00000004.corrupt; no other checkpoint to "
+                                                 "resume from"), err
+    assert "falling back" not in err and "run the same command again to start the run afresh" in str(failure.value)
+    assert not (root / "latest").exists() and (root / "step_00000004.corrupt").is_dir()
+    summary, _ = run(tiny_shards, tmp_path, 4)  # the advice, followed literally
+    assert summary.start_step == 0 and summary.steps_done == 4
+    assert "starting the run afresh" in capfd.readouterr().err
+    assert (tmp_path / "metrics.1.jsonl").is_file() and (tmp_path / "COMPLETED").is_file()
+    assert (root / "latest").read_text().strip() == "step_00000004"
+    from checkpoints.cli import main as checkpoints_main
+    assert checkpoints_main(["verify", str(root), "--all"]) == 0
 
 
 def test_failed_saves_are_recorded_and_a_failed_final_save_fails_the_run(tiny_shards, tmp_path, monkeypatch,
