@@ -259,8 +259,9 @@ class ShardLoader:
 
 def validation_batches(shard_dir, global_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
                        split: str = "val", verify: str = "fast", on_corrupt: str = "error",
-                       drop_last: bool = False, tokenizer_hash: str | None = None):
-    """The validation rows in fixed order (row 0, 1, ...), global batches of G, rank r taking its contiguous share.
+                       drop_last: bool = False, tokenizer_hash: str | None = None, rows: int | None = None):
+    """The validation rows in fixed order (row 0, 1, ...), global batches of G, rank r taking its contiguous share;
+    `rows`: only the first that many (the same set whatever G and the layout).
 
     Batches carry "tokens", "sample_index" (position in the split, -1 for padding), "row_id" (-1 for padding) and
     "valid" (BoolTensor). The last global batch is padded with PAD rows (valid False) unless drop_last, so every
@@ -269,7 +270,7 @@ def validation_batches(shard_dir, global_batch_size: int, dp_rank: int = 0, dp_s
     _check_layout(global_batch_size, dp_rank, dp_size)
     dataset = ShardDataset(shard_dir, split, verify, on_corrupt, tokenizer_hash)
     start, end = rank_slice(global_batch_size, dp_rank, dp_size)
-    total = len(dataset)
+    total = len(dataset) if rows is None else min(len(dataset), rows)
     n_batches = total // global_batch_size if drop_last else -(-total // global_batch_size)
     for step in range(n_batches):
         positions = step * global_batch_size + np.arange(start, end, dtype=np.int64)

@@ -75,7 +75,7 @@ class DataConfig:
     verify: str = "fast"  # full | fast | none
     on_corrupt: str = "error"  # error | skip
     prefetch: int = 4
-    val_batches: int = 8
+    val_batches: int = 8  # validation set: the first val_batches x micro_batch_size rows of the val split (any layout)
     order: str | None = None  # global (a full permutation of the rows) | blocks (shards in groups of block_shards,
     #                           rows shuffled within one; touches few shards at a time). None: blocks for s3:// and
     #                           http(s):// shards, global for a local directory

@@ -52,6 +52,18 @@ def checkpoint_dir(path) -> Path:
                          "give a run directory or checkpoint written by `megaloop train`")
 
 
+def run_precision(path) -> str:
+    """The train.precision the checkpoint's run computed in (fp32 where it is not recorded or was left "auto")."""
+    from checkpoints import CheckpointError, CheckpointReader
+
+    try:
+        config = CheckpointReader(checkpoint_dir(path)).metadata.get("config") or {}
+    except CheckpointError as err:
+        raise EvalInputError(str(err)) from None
+    precision = config.get("train", {}).get("precision")
+    return precision if precision in ("fp32", "bf16", "fp64") else "fp32"
+
+
 def load_model(path, model_config: ModelConfig | None = None, device="cpu",
                dtype: torch.dtype = torch.float32) -> LoadedModel:
     """The model of the newest committed checkpoint at `path` (see the module docstring), in eval mode."""

@@ -34,7 +34,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="folder with tasks_v0.3.yaml and the CORE task files (needed for core, lambada and task "
                         "names)")
     p.add_argument("--limit", type=int, default=None, metavar="N", help="score the first N examples of each task")
-    p.add_argument("--val-rows", type=int, default=None, metavar="N", help="evaluate the first N validation rows")
+    p.add_argument("--val-rows", type=int, default=None, metavar="N",
+                   help="evaluate the first N validation rows (default: the run's own validation set, "
+                        "data.val_batches x data.micro_batch_size rows, as the trainer validated)")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp64"), default=None,
+                   help="compute precision (default: the run's train.precision, as the trainer validated)")
     p.add_argument("--seed", type=int, default=None,
                    help="h_0 and few-shot seed (default: the run's train.seed)")
     p.add_argument("--batch-size", type=int, default=16, metavar="B", help="rows per forward (default 16)")
@@ -124,7 +128,13 @@ def _load(args):
             model_cfg = load_config(args.config, validate=False).model
         except (ConfigError, FileNotFoundError) as err:
             raise EvalInputError(f"--config: {err}") from None
-    return load_model(args.checkpoint, model_cfg, device=checked_device(args.device))
+    import torch
+
+    from megaloop.eval.checkpoint import run_precision
+
+    args.precision = args.precision or run_precision(args.checkpoint)
+    dtype = torch.float64 if args.precision == "fp64" else torch.float32  # bf16: fp32 weights under autocast
+    return load_model(args.checkpoint, model_cfg, device=checked_device(args.device), dtype=dtype)
 
 
 def load_tokenizer_for(loaded, shards, tokenizer_dir):
@@ -171,17 +181,21 @@ def _evaluate(args, loaded, depths, groups, specs, seed, shards, world) -> dict:
 
     model, out = loaded.model, {}
     tokenizer = None
+    autocast = _autocast(args.precision, next(model.parameters()).device)
+    out["precision"] = args.precision
     if "val" in groups:
-        rows, _ = depth_eval.validation_rows(shards, args.val_rows)
+        limit = args.val_rows if args.val_rows is not None else _run_val_rows(loaded.config)
+        rows, _ = depth_eval.validation_rows(shards, limit)
+        out["val_rows"] = len(rows.tokens)
         out["depths"] = depth_eval.evaluate_depths(model, rows, depths, seed, args.batch_size, world,
-                                                   _bar(world, len(depths), "val depths"))
+                                                   _bar(world, len(depths), "val depths"), autocast)
     if args.text:
         tokenizer = load_tokenizer_for(loaded, shards, args.tokenizer)
         docs = depth_eval.text_documents(args.text)
         rows = depth_eval.text_rows(docs, tokenizer, model.cfg.seq_len)
         out["text"] = {"path": str(args.text), "documents": len(docs), "bytes": int(rows.bytes),
                        "depths": depth_eval.evaluate_depths(model, rows, depths, seed, args.batch_size, world,
-                                                            _bar(world, len(depths), "text depths"))}
+                                                            _bar(world, len(depths), "text depths"), autocast)}
     if specs or "lambada" in groups:
         tokenizer = tokenizer or load_tokenizer_for(loaded, shards, args.tokenizer)
         out.update(_tasks(args, model, tokenizer, depths, groups, specs, seed, world))
@@ -243,12 +257,30 @@ def _f(x: float, digits: int = 4) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
+def _autocast(precision: str, device):
+    """The forward's autocast as the trainer's (bf16 autocast for bf16, nothing otherwise), as a factory."""
+    import functools
+
+    from megaloop.train.precision import autocast_for
+
+    return functools.partial(autocast_for, precision, device)
+
+
+def _run_val_rows(config: dict) -> int | None:
+    """The run's validation set size, data.val_batches x data.micro_batch_size (None: unknown, every row)."""
+    data = config.get("data", {})
+    batches, micro = data.get("val_batches"), data.get("micro_batch_size")
+    return batches * micro if isinstance(batches, int) and isinstance(micro, int) and batches > 0 else None
+
+
 def format_report(out: dict) -> str:
-    lines = [f"checkpoint {out['checkpoint']} (step {out['step']}, h_0 seed {out['seed']}, mu_rec {out['mu_rec']})"]
+    lines = [f"checkpoint {out['checkpoint']} (step {out['step']}, h_0 seed {out['seed']}, mu_rec {out['mu_rec']}, "
+             f"precision {out.get('precision', 'fp32')})"]
     for title, table in (("validation split", out.get("depths")), ("text " + out.get("text", {}).get("path", ""),
                                                                    out.get("text", {}).get("depths"))):
         if table:
-            lines.append(f"{title}:  T  loss [95% CI]  bpb [95% CI]  tokens")
+            rows = f" ({out['val_rows']} rows)" if title == "validation split" and "val_rows" in out else ""
+            lines.append(f"{title}{rows}:  T  loss [95% CI]  bpb [95% CI]  tokens")
             for t, r in table.items():
                 lines.append(f"  {t:>3}  {_f(r['loss'])} [{_f(r['ci_low'])}, {_f(r['ci_high'])}]  {_f(r['bpb'])} "
                              f"[{_f(r['bpb_ci_low'])}, {_f(r['bpb_ci_high'])}]  {r['tokens']}")

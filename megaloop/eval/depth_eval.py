@@ -14,6 +14,8 @@ text is not random).
 """
 from __future__ import annotations
 
+import contextlib
+
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,9 +87,10 @@ def text_rows(docs: list[str], tokenizer, seq_len: int) -> Rows:
 
 
 @torch.no_grad()
-def row_losses(model, rows: Rows, depth: int, seed: int, batch_size: int = 16, world: World | None = None
-               ) -> tuple[np.ndarray, np.ndarray]:
-    """Per-row summed nats and labelled tokens at depth `depth` (gathered over the world, in row order)."""
+def row_losses(model, rows: Rows, depth: int, seed: int, batch_size: int = 16, world: World | None = None,
+               autocast=contextlib.nullcontext) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row summed nats and labelled tokens at depth `depth` (gathered over the world, in row order); each
+    forward runs under `autocast()` (the trainer's precision)."""
     world = world or World()
     device = next(model.parameters()).device
     starts = list(range(0, len(rows.tokens), batch_size))
@@ -96,7 +99,8 @@ def row_losses(model, rows: Rows, depth: int, seed: int, batch_size: int = 16, w
         sl = slice(starts[b], starts[b] + batch_size)
         tokens, labelled, index = rows.tokens[sl].to(device), rows.labelled[sl].to(device), rows.index[sl]
         labels = tokens[:, 1:].masked_fill(~labelled, -100)
-        logits = model(tokens[:, :-1], depth=depth, noise_key=(seed, VAL_NOISE_STEP, index)).logits
+        with autocast():
+            logits = model(tokens[:, :-1], depth=depth, noise_key=(seed, VAL_NOISE_STEP, index)).logits
         nats = F.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=-100, reduction="none")
         for i, (s, c) in enumerate(zip(nats.double().sum(1).tolist(), labelled.sum(1).tolist())):
             out[starts[b] + i] = (s, c)
@@ -119,12 +123,12 @@ def bootstrap_ratio(sums: np.ndarray, counts: np.ndarray, seed: int = 0, samples
 
 
 def evaluate_depths(model, rows: Rows, depths, seed: int, batch_size: int = 16, world: World | None = None,
-                    progress=None) -> dict[int, dict]:
+                    progress=None, autocast=contextlib.nullcontext) -> dict[int, dict]:
     """{T: {"loss", "bpb", "ci_low", "ci_high", "bpb_ci_low", "bpb_ci_high", "tokens"}} (bpb NaN when the bytes
     are unknown)."""
     results = {}
     for depth in depths:
-        sums, counts = row_losses(model, rows, depth, seed, batch_size, world)
+        sums, counts = row_losses(model, rows, depth, seed, batch_size, world, autocast)
         tokens = counts.sum()
         loss = float(sums.sum() / tokens) if tokens else float("nan")
         low, high = bootstrap_ratio(sums, counts, seed)

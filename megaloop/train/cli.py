@@ -68,6 +68,16 @@ def report_bad_input(line: str) -> int:
     return 2
 
 
+def _validation_set(val: dict) -> str:
+    """'  (validation: N rows, M tokens)' from the final validation's records (rows: the fixed set every layout
+    validates on; `megaloop eval` with its defaults scores the same)."""
+    first = next((v for v in val.values() if v.get("tokens")), None)
+    if first is None:
+        return ""
+    rows = f"{first['rows']:,} rows, " if "rows" in first else ""
+    return f"  (validation: {rows}{first['tokens']:,} tokens)"
+
+
 def format_summary(cfg: Config, s) -> str:
     def tf(flops):
         return flops / s.train_time_s / 1e12 if s.train_time_s else float("nan")
@@ -78,7 +88,7 @@ def format_summary(cfg: Config, s) -> str:
         "",
         f"megaloop run: {cfg.train.out_dir}  ({s.steps_done} steps{', interrupted' if s.interrupted else ''}, "
         f"{s.n_params / 1e6:.2f}M params, {s.tokens:,} tokens, {s.skipped} skipped steps{job})",
-        f"{'T':>4} {'val loss':>9} {'val bpb':>8}",
+        f"{'T':>4} {'val loss':>9} {'val bpb':>8}{_validation_set(s.val)}",
     ]
     if s.val and not any(v["tokens"] for v in s.val.values()):
         hint = VALIDATION_OFF_HINT if cfg.data.val_batches == 0 else NO_VALIDATION_HINT

@@ -82,18 +82,25 @@ class ShardData:
         """Training rows this rank has read from the shards (0 on a replica's ranks that receive them)."""
         return self.loader.dataset.rows_read
 
+    @property
+    def val_row_count(self) -> int:
+        """The validation rows: the first data.val_batches x data.micro_batch_size of the val split (fewer when the
+        split is smaller), the same set whatever the layout (the dp ranks share them)."""
+        return min(self.val_rows, self.cfg.data.val_batches * self.cfg.data.micro_batch_size)
+
     def val_batches(self) -> list[dict]:
-        """Up to data.val_batches global batches of micro_batch_size x dp rows; padding rows get label -100. None
-        without a val split (validation then reports n/a, as the note at start says)."""
+        """The validation rows (val_row_count) in global batches of micro_batch_size x dp rows; padding rows (the
+        last batch's) get label -100. Empty without a val split (validation then reports n/a, as the note at start
+        says)."""
         if self._val is None and not self.val_rows:
             self._val = []
         if self._val is None:
             from data_prep.loader import validation_batches
 
             d = self.cfg.data
-            batches = validation_batches(self.source, d.micro_batch_size * self.dp_size, self.dp_rank, self.dp_size,
-                                         verify="none", on_corrupt=d.on_corrupt)
-            self._val = list(itertools.islice(batches, d.val_batches))
+            self._val = list(validation_batches(self.source, d.micro_batch_size * self.dp_size, self.dp_rank,
+                                                self.dp_size, verify="none", on_corrupt=d.on_corrupt,
+                                                rows=self.val_row_count))
         return self._val
 
     def stream_stats(self) -> dict:

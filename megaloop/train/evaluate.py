@@ -67,12 +67,19 @@ def _losses(model, batches, depths, seed, precision, device, runtime: TrainerRun
             bar.update(len(batches))
         loss_sum = sum(loss * n for loss, n in zip(losses, [n for n in counts if n]))
         loss_sum, tokens = runtime.sum_over_dp(loss_sum), int(runtime.sum_over_dp(float(sum(counts))))
+        rows = int(runtime.sum_over_dp(float(sum(_rows(batch) for batch in batches))))
         # no validation tokens (no val split, or data.val_batches=0): no measurement, so NaN ("n/a"), never 0
         loss = loss_sum / tokens if tokens else float("nan")
         bpb = loss / math.log(2) / bytes_per_token if bytes_per_token and tokens else float("nan")
-        results[depth] = {"val_loss": loss, "val_bpb": bpb, "tokens": tokens}
+        results[depth] = {"val_loss": loss, "val_bpb": bpb, "tokens": tokens, "rows": rows}
     model.train(was_training)
     return results
+
+
+def _rows(batch: dict) -> int:
+    """The batch's validation rows (its padding rows not counted)."""
+    valid = batch.get("valid")
+    return int(valid.sum()) if valid is not None else int(batch["tokens"].shape[0])
 
 
 def _micro_batch(batch: dict, depth: int, seed: int, device) -> StageMicroBatch:

@@ -25,7 +25,8 @@ TRAIN_FIELDS = {
     "time_step": NUMBER,
     "data_bytes_downloaded": int, "data_cache_hit_ratio": NUMBER,  # this rank's node-cache figures so far
 }
-VAL_FIELDS = {"kind": str, "step": int, "T": int, "val_loss": NUMBER, "val_bpb": NUMBER, "tokens": int}
+VAL_FIELDS = {"kind": str, "step": int, "T": int, "val_loss": NUMBER, "val_bpb": NUMBER, "tokens": int,
+              "rows": int}
 RESUME_FIELDS = {"kind": str, "step": int, "from": str}  # a job continued the run from a checkpoint at `step`
 CHECKPOINT_FAILED_FIELDS = {"kind": str, "step": int, "error": str, "in_a_row": int, "fatal": bool}
 SPIKE_FIELDS = {"kind": str, "step": int, "loss": NUMBER, "median": NUMBER, "mad": NUMBER, "threshold": NUMBER,
