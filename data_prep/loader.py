@@ -97,17 +97,50 @@ class ShardLoader:
         self.global_batch_size, self.dp_rank, self.dp_size = global_batch_size, dp_rank, dp_size
         self.local_batch_size = global_batch_size // dp_size
         self.seed, self.prefetch, self.select, self.read_tokens = seed, prefetch, select, read_tokens
-        if mixed:
-            self.order = MixOrder(self.dataset, mix if mix is not None else [len(p) for p in self.dataset.parts],
-                                  global_batch_size, seed, order, block_shards)
-            fingerprint = self.dataset.fingerprint
-        else:
-            self.order = make_order(order, self.dataset.shard_rows, seed, block_shards)
-            fingerprint = manifest_fingerprint(self.dataset.manifest)
-        self.dataset_id = fingerprint + f"/{split}/{len(self.dataset)}" + self.order.tag
+        self._order_args = (split, order, block_shards, mix)
+        self._make_order()
         self.prefetch_steps, self._fetched_upto = prefetch_steps, 0
         self._step = 0
         self._active = None
+
+    def _make_order(self) -> None:
+        """The order over the dataset's rows (and the id a saved loader state is checked against)."""
+        split, order, block_shards, mix = self._order_args
+        if isinstance(self.dataset, MixedDataset):
+            self.order = MixOrder(self.dataset, mix if mix is not None else [len(p) for p in self.dataset.parts],
+                                  self.global_batch_size, self.seed, order, block_shards)
+            fingerprint = self.dataset.fingerprint
+        else:
+            self.order = make_order(order, self.dataset.shard_rows, self.seed, block_shards)
+            fingerprint = manifest_fingerprint(self.dataset.manifest)
+        self.dataset_id = fingerprint + f"/{split}/{len(self.dataset)}" + self.order.tag
+
+    def skipped_names(self) -> list[tuple[int, str]]:
+        """(corpus index, shard name) of every shard left out under on_corrupt='skip' (index 0 without a mix)."""
+        parts = self.dataset.parts if isinstance(self.dataset, MixedDataset) else [self.dataset]
+        return sorted((i, s["shard"]) for i, part in enumerate(parts) for s in part.skipped)
+
+    def agree_skipped(self, everyone: list[tuple[int, str]]) -> int:
+        """Leave out every shard some rank left out (`everyone`: the union of skipped_names over the job), before
+        the first batch, so that every rank reads one set of rows in one order; returns how many more this rank
+        leaves out."""
+        if self._active is not None:
+            raise RuntimeError("agree_skipped must run before the first batch is read")
+        mine = set(self.skipped_names())
+        extra = sorted(set(map(tuple, everyone)) - mine)
+        if not extra:
+            return 0
+        parts = self.dataset.parts if isinstance(self.dataset, MixedDataset) else [self.dataset]
+        for index, part in enumerate(parts):
+            part.exclude([name for i, name in extra if i == index], "unreadable on another rank of the job "
+                         "(on_corrupt='skip' leaves it out on every rank)")
+        if isinstance(self.dataset, MixedDataset):
+            self.dataset = MixedDataset(parts)
+        if len(self.dataset) == 0:
+            raise DataPrepError(f"no rows left to read once the shards other ranks could not read are left out "
+                                f"(skipped: {self.skipped})", "re-create the shards")
+        self._make_order()
+        return len(extra)
 
     @property
     def num_rows(self) -> int:

@@ -30,6 +30,7 @@ class FileServer:
     def __init__(self, root, fail_rate: float = 0.0, seed: int = 0, missing=(), flip=(), stall_s: float = 0.0):
         self.root, self.fail_rate, self.stall_s = Path(root), fail_rate, stall_s
         self.missing, self.flip = set(missing), set(flip)
+        self.flip_once: dict[str, bool] = {}  # names whose next GET only is altered (a transfer damaged on the way)
         self.hits: Counter = Counter()
         self.failures = 0
         self._rng = random.Random(seed)
@@ -87,7 +88,7 @@ class FileServer:
             handler.send_error(404, "no such object")
             return
         data = bytearray(path.read_bytes())
-        if name in self.flip:
+        if name in self.flip or self.flip_once.pop(name, False):
             data[len(data) // 2] ^= 0x01
         handler.send_response(200)
         handler.send_header("Content-Length", str(len(data)))

@@ -164,6 +164,18 @@ class ShardDataset:
             self._index_all_or_skip()
         self._starts = np.cumsum([0] + [e["rows"] for e in self.entries]).astype(np.int64)
 
+    def exclude(self, names, why: str) -> None:
+        """Leave out the shards `names` too (counted in `skipped` with `why`): under on_corrupt='skip' the ranks of a
+        job agree on one set of shards, so a shard one rank could not read is left out by every rank."""
+        names = set(names) - {s["shard"] for s in self.skipped}
+        if not names:
+            return
+        self.entries = [e for e in self.entries if e["name"] not in names]
+        self.skipped += [{"shard": name, "problem": why} for name in sorted(names)]
+        self._open.clear()  # shard numbers shift
+        self._substitute.clear()
+        self._starts = np.cumsum([0] + [e["rows"] for e in self.entries]).astype(np.int64)
+
     @property
     def shard_rows(self) -> np.ndarray:
         """Rows of each shard in use, in manifest order."""

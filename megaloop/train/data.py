@@ -44,6 +44,8 @@ class ShardData:
                                   read_tokens=self.replica is None or self.replica.reads,
                                   order=data_order(cfg), block_shards=d.block_shards, prefetch_steps=d.prefetch_steps,
                                   mix=d.mix)
+        if d.on_corrupt == "skip":
+            _agree_on_skipped_shards(self.loader)
         self.bytes_per_token = _bytes_per_token(self.manifest, "val")
         self._val = None
         self._ahead = None  # the training iterator whose first batch read_first_batch read
@@ -175,6 +177,24 @@ def rank_selection(cfg: Config, dp_rank: int, dp_size: int):
         return ranks[dp_rank]
 
     return select
+
+
+def _agree_on_skipped_shards(loader) -> None:
+    """data.on_corrupt=skip is one decision of the job: every rank leaves out every shard that any rank found
+    unreadable (a node's damaged copy, a read error on one rank), so that all read one set of rows in one order.
+    Streamed shards are checked on arrival against the manifest's sha256 (a failed background download is fetched
+    again), so their verdict is the store's bytes, the same for every rank that touches them."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, loader.skipped_names())
+    union = sorted({tuple(x) for names in everyone for x in names})
+    loader.agree_skipped(union)
+    if dist.get_rank() == 0 and any(len(names) != len(union) for names in everyone):
+        print(f"megaloop: data.on_corrupt=skip: the ranks disagreed on which shards are readable; every rank leaves "
+              f"out all {len(union)} that some rank could not read", file=sys.stderr, flush=True)
 
 
 def _replica_reader(layout):

@@ -211,3 +211,32 @@ def test_pin_memory_pins_the_tokens_where_the_batch_is_made(small_shards, prefet
     assert all(torch.equal(a["tokens"], b["tokens"]) for a, b in zip(plain, pinned))
     maker = "data_prep-prefetch" if prefetch else threading.main_thread().name
     assert len(threads) >= 3 and set(threads) == {maker}
+
+
+def test_ranks_that_disagree_on_a_corrupt_shard_agree_on_one_set_of_rows(small_shards, tmp_path):
+    """on_corrupt='skip' where rank 0's copy of a shard is damaged and rank 1's is not (a node's copy, a read
+    error): after agree_skipped with the union of their skips, both leave it out, so the global batch is the one a
+    job whose every copy was damaged reads; without the agreement the ranks index different row sets."""
+    import shutil
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(small_shards, damaged)
+    shard = sorted(damaged.glob("train-*.tar"))[1]
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 512)
+
+    def loaders(dirs):
+        return [ShardLoader(d, GLOBAL_BATCH, rank, 2, seed=3, prefetch=0, on_corrupt="skip")
+                for rank, d in enumerate(dirs)]
+
+    reference = loaders([damaged, damaged])
+    mixed = loaders([damaged, small_shards])
+    assert [loader.num_rows for loader in mixed][0] < mixed[1].num_rows  # they disagree before agreeing
+    union = sorted({x for loader in mixed for x in loader.skipped_names()})
+    assert union == [(0, shard.name)]
+    assert [loader.agree_skipped(union) for loader in mixed] == [0, 1]
+    for step in (0, 5, 40):
+        ours = torch.cat([loader.batch(step)["row_id"] for loader in mixed])
+        theirs = torch.cat([loader.batch(step)["row_id"] for loader in reference])
+        assert torch.equal(ours, theirs), step
+    assert mixed[1].skipped[0]["shard"] == shard.name and "another rank" in mixed[1].skipped[0]["problem"]

@@ -345,3 +345,18 @@ def test_inspect_reads_a_remote_shard_set_as_the_loader_does(tiny_shards, tmp_pa
         assert data_prep_main(["inspect", server.url, "--quiet"]) == 1
     finally:
         server.down()
+
+
+def test_a_transfer_damaged_on_the_way_is_fetched_again_not_skipped(tiny_shards, tmp_path):
+    """One GET of a shard arrives altered (the store's copy is intact): the cache fetches it again, so under
+    on_corrupt=skip no rank leaves out a shard the others read (the verdict is the store's bytes)."""
+    entries = read_manifest(tiny_shards)["splits"]["train"]["shards"]
+    server = FileServer(tiny_shards)
+    try:
+        server.flip_once = {e["name"]: True for e in entries}
+        loader = ShardLoader(StreamSource(server.url, tmp_path / "a", policy=FAST), G, seed=5, order="blocks",
+                             block_shards=W, prefetch=0, on_corrupt="skip")
+        next(iter(loader))
+        assert loader.skipped == [] and len(server.flip_once) < len(entries)  # some arrived altered, none skipped
+    finally:
+        server.close()

@@ -37,7 +37,7 @@ def test_metrics_follow_schema(run):
 
 
 def test_schema_rejects_bad_records():
-    good = {"kind": "val", "step": 1, "T": 2, "val_loss": 1.0, "val_bpb": 1.0, "tokens": 3}
+    good = {"kind": "val", "step": 1, "T": 2, "val_loss": 1.0, "val_bpb": 1.0, "tokens": 3, "rows": 1}
     validate_record(good)
     with pytest.raises(ValueError, match="lacks 'T'"):
         validate_record({k: v for k, v in good.items() if k != "T"})
