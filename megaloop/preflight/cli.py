@@ -26,8 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--only", default=",".join(PATHS), metavar="PATH[,PATH]",
                    help=f"run these paths only, in this order (default: all: {','.join(PATHS)})")
     p.add_argument("--json", action="store_true", help="also print the results as one JSON line at the end")
-    p.add_argument("--work-dir", type=LocalPath(), help="folder for the data and the runs' checkpoints, readable by every node (default:"
-                                      " a temporary folder, removed afterwards)")
+    p.add_argument("--work-dir", type=LocalPath(), help="folder for the data and the runs' checkpoints, readable by "
+                   "every node (default: a temporary folder, removed afterwards)")
     p.add_argument("--keep", action="store_true", help="keep the temporary folder")
     p.add_argument("--min-bw-fraction", type=float, default=0.0, metavar="F",
                    help="also fail a path whose bus bandwidth is below F x the link's nominal rate, where known "

@@ -143,7 +143,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tiny_shards, tmp_p
     summary, _ = run(tiny_shards, tmp_path, 22)
     err = capfd.readouterr().err
     assert summary.start_step == 10, err
-    line = next(l for l in err.splitlines() if "is unusable" in l)
+    line = next(x for x in err.splitlines() if "is unusable" in x)
     assert array in line and line.startswith("megaloop: checkpoint step_00000020 is unusable (")
     assert line.endswith("set aside as step_00000020.corrupt; resuming from step_00000010 instead"), line
     assert str(found[0]) not in line  # the path once, as a name, not repeated in every clause
@@ -166,7 +166,7 @@ def test_the_only_checkpoint_corrupt_gives_advice_that_works_when_followed(tiny_
     with pytest.raises(ResumeError) as failure:
         run(tiny_shards, tmp_path, 4)
     err = capfd.readouterr().err
-    lines = [l for l in err.splitlines() if "is unusable" in l]
+    lines = [x for x in err.splitlines() if "is unusable" in x]
     assert len(lines) == 1 and lines[0].endswith("set aside as step_00000004.corrupt; no other checkpoint to "
                                                  "resume from"), err
     assert "falling back" not in err and "run the same command again to start the run afresh" in str(failure.value)
