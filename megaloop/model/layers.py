@@ -27,8 +27,10 @@ class RMSNorm(nn.Module):
 
 
 def rms_norm_weightless(x: torch.Tensor) -> torch.Tensor:
-    """QK-norm: weightless RMS normalisation over the last dim (torch's default eps)."""
-    return F.rms_norm(x, (x.size(-1),))
+    """QK-norm: weightless RMS normalisation over the last dim (torch's default eps). Returns x's dtype, as RMSNorm
+    does: CUDA autocast runs rms_norm in fp32, and fp32 queries/keys beside bf16 values would send every attention
+    call to SDPA instead of the configured flash/TE kernel."""
+    return F.rms_norm(x, (x.size(-1),)).to(x.dtype)
 
 
 def rope_tables(head_dim: int, seq_len: int, base: float,
