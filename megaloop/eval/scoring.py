@@ -2,10 +2,10 @@
 LAMBADA, the lm-eval adapter and generation.
 
 Every request (context ids, continuation ids) is scored at the same T, with h_0 the draw of the noise key
-(seed, EVAL_NOISE_STEP, 0) over the model's whole seq_len, cut to the request's length: a request's score depends on
-neither its batch, its padding, its position in the list nor the process count. A request longer than seq_len + 1
-tokens keeps its last seq_len + 1 (the context is cut on the left, as lm-eval does); an empty context becomes the
-tokenizer's BOS.
+(seed, EVAL_NOISE_STEP, 0) over the model's whole seq_len, drawn on the CPU (the same on every device), cut to
+the request's length: a request's score depends on neither its batch, its padding, its position in the list nor
+the process count. A request longer than seq_len + 1 tokens keeps its last seq_len + 1 (the context is cut on the
+left, as lm-eval does); an empty context becomes the tokenizer's BOS.
 """
 from __future__ import annotations
 
@@ -47,8 +47,9 @@ class Scorer:
         if cfg.injection != "none":
             from megaloop.depth import initial_state
 
+            # Drawn on the CPU, then moved: the same h_0 (so the same scores) on every device.
             self._h0 = initial_state(1, cfg.seq_len, cfg.d_model, self.seed, EVAL_NOISE_STEP, [0], std=cfg.std,
-                                     device=self.device).to(self.dtype)
+                                     device="cpu").to(device=self.device, dtype=self.dtype)
 
     def h0(self, batch: int, length: int) -> torch.Tensor | None:
         """The fixed h_0 for `batch` rows of `length` positions (None for the GPT baseline)."""
