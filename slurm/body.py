@@ -19,7 +19,15 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export NCCL_IB_DISABLE=${NCCL_IB_DISABLE:-0}          # use InfiniBand / RoCE (GPUDirect RDMA) when present
 export NCCL_ASYNC_ERROR_HANDLING=${NCCL_ASYNC_ERROR_HANDLING:-1}              # a failed or timed-out collective
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}  # aborts its process, no hang
-# export NCCL_SOCKET_IFNAME=ib0   # NCCL's bootstrap interface, when the nodes have several (e.g. ib0, bond0)"""
+# export NCCL_SOCKET_IFNAME=ib0   # NCCL's bootstrap interface, when the nodes have several (e.g. ib0, bond0)
+# NCCL flight recorder: each rank keeps its last collectives in a ring buffer and, when the watchdog sees a collective
+# time out (parallel.timeout_s; a hung rank shows only this way), dumps it to $OUT_DIR/nccl_trace/rank_<N>, so the
+# rank that stopped calling collectives can be named afterwards. Values already in the environment are kept.
+export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
+export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+if [ -z "${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-}" ]; then
+  mkdir -p "$OUT_DIR/nccl_trace" && export TORCH_NCCL_DEBUG_INFO_TEMP_FILE="$OUT_DIR/nccl_trace/rank_"
+fi"""
 
 DEADLINE_AND_TRAP = r"""# The job's end time: the trainer saves and stops before it (MEGALOOP_DEADLINE, a unix time, 60 s left for the
 # requeue) even when the USR1 of --signal comes late or not at all.

@@ -2,6 +2,7 @@
 isoFLOP table (steps from megaloop's FLOP model), segments chained with afterany, and the README's 16 x 8 snapshot."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -215,3 +216,24 @@ def test_a_failed_sbatch_leaves_no_script_behind(tmp_path):
     done = slurm_cli("submit", str(TINY), *BASE, "--out-root", str(tmp_path / "runs"), "--no-check", env=env)
     assert done.returncode == 1 and "invalid partition specified" in done.stderr, done.stderr
     assert not list(tmp_path.rglob("*.sbatch")) and not (tmp_path / "runs").exists()
+
+
+def _nccl_env(tmp_path, **preset) -> dict[str, str]:
+    """Run the rendered NCCL block in bash with OUT_DIR set and print the flight recorder's variables."""
+    from slurm import body
+    script = f"OUT_DIR={tmp_path}\n{body.NCCL}\n" + "".join(
+        f'echo {k}="${{{k}}}"\n' for k in ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+                                          "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NCCL")} | preset
+    out = subprocess.run(["bash", "-c", script], env=env, text=True, capture_output=True, check=True).stdout
+    return dict(line.split("=", 1) for line in out.splitlines())
+
+
+def test_nccl_flight_recorder_dumps_into_the_run_and_keeps_user_values(tmp_path):
+    got = _nccl_env(tmp_path)
+    assert got["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000" and got["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert got["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == f"{tmp_path}/nccl_trace/rank_"
+    assert (tmp_path / "nccl_trace").is_dir()
+    mine = _nccl_env(tmp_path / "b", TORCH_NCCL_TRACE_BUFFER_SIZE="7", TORCH_NCCL_DEBUG_INFO_TEMP_FILE="/x/t_")
+    assert mine["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "7" and mine["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/x/t_"
+    assert not (tmp_path / "b").exists()
