@@ -37,3 +37,11 @@ def bad_record(record: Record, problem: str, options: ReadOptions) -> Record:
         record.skip_reason = SKIP_BAD_RECORD
         return record
     raise DataPrepError(problem, "fix the input, or pass --on-bad-record skip to skip such records")
+
+
+def check_token_ids(tokens: list[int], vocab_size: int, where: str) -> None:
+    """Pre-tokenized input: every id must be below the vocabulary size."""
+    top = max(tokens, default=-1)
+    if top >= vocab_size:
+        raise DataPrepError(f"{where}: token id {top} is not below the vocabulary size {vocab_size}",
+                            "pass the --vocab-size (or --tokenizer) the ids were made with")

@@ -104,3 +104,22 @@ def test_mixed_formats_and_format_mismatch_are_refused(corpora):
     (corpora / "fake.parquet").write_bytes(b"not parquet")
     with pytest.raises(DataPrepError, match="magic bytes"):
         resolve_inputs([str(corpora / "fake.parquet")])
+
+
+def test_pretokenized_parquet_reads_ids_and_refuses_ids_past_the_vocabulary(tmp_path):
+    from data_prep.readers.fields import check_token_ids
+
+    ids = [[0, 5, 7], [], [9, 1]]
+    pq.write_table(pa.table({"input_ids": ids}), tmp_path / "t.parquet", row_group_size=2)
+    records = _records(tmp_path / "t.parquet", tokens_field="input_ids")
+    assert [r.tokens for r in records] == ids
+    assert [r.skip_reason for r in records] == [None, "missing or empty text field", None]
+    check_token_ids(ids[0], 10, "t.parquet row 0")
+    with pytest.raises(DataPrepError, match="token id 9 is not below the vocabulary size 9"):
+        check_token_ids(ids[2], 9, "t.parquet row 2")
+
+
+def _records(path, **options):
+    source = resolve_inputs([str(path)])[0]
+    reader = open_reader(source, ReadOptions(**options))
+    return list(reader.read(0, len(reader.pieces())))
