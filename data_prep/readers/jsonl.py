@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from typing import Iterator
 
+from ..errors import DataPrepError
 from ..inputs import InputFile
 from .base import ReadOptions, Record
 from .compression import read_all
@@ -35,7 +36,6 @@ class JsonlReader:
                 yield bad_record(Record(key), f"{where}: a JSON {type(row).__name__}, not an object", self.options)
                 continue
             if not self.options.tokens_field and self.options.text_field not in row and number == 1:
-                from ..errors import DataPrepError
                 raise DataPrepError(f"{where}: no field {self.options.text_field!r} (fields: {sorted(row)})",
                                     "pass --text-field naming the field that holds the text")
             yield row_to_record(row, key, self.options, where)
