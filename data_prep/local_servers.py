@@ -55,6 +55,9 @@ class FileServer:
             def do_GET(self):
                 server._serve(self)
 
+            def do_HEAD(self):
+                server._head(self)
+
         self._server = ThreadingHTTPServer((LOOPBACK, self._port), Handler)
         self._server.daemon_threads = True
         self._port = self._server.server_address[1]
@@ -74,6 +77,19 @@ class FileServer:
                 self.failures += 1
                 return "503" if self._rng.random() < 0.5 else "reset"
         return None
+
+    def _head(self, handler: BaseHTTPRequestHandler) -> None:
+        """The size of a file, without its body (no faults injected; not counted in `hits`)."""
+        name = handler.path.lstrip("/")
+        path = self.root / name
+        if name in self.missing or not path.is_file():
+            handler.send_response(404)
+            handler.send_header("Content-Length", "0")
+            handler.end_headers()
+            return
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(path.stat().st_size))
+        handler.end_headers()
 
     def _serve(self, handler: BaseHTTPRequestHandler) -> None:
         name = handler.path.lstrip("/")

@@ -99,6 +99,9 @@ class ByteStore(Protocol):
     def delete(self, name: str) -> None:
         """Remove object `name` if it exists (one attempt)."""
 
+    def size(self, name: str) -> int:
+        """The size in bytes of object `name` without reading it (StoreError with missing=True when absent)."""
+
 
 class LocalStore:
     """A directory."""
@@ -133,6 +136,12 @@ class LocalStore:
     def delete(self, name: str) -> None:
         (self.root / name).unlink(missing_ok=True)
 
+    def size(self, name: str) -> int:
+        try:
+            return (self.root / name).stat().st_size
+        except FileNotFoundError:
+            raise StoreError(self.object_url(name), "no such file", missing=True) from None
+
 
 class HttpStore:
     """Objects under an http:// or https:// base URL (read-only)."""
@@ -143,10 +152,10 @@ class HttpStore:
     def object_url(self, name: str) -> str:
         return f"{self.url}/{name}"
 
-    def _open(self, name: str):
+    def _open(self, name: str, method: str = "GET"):
         url = self.object_url(name)
         try:
-            return urllib.request.urlopen(url, timeout=self.policy.timeout_s)
+            return urllib.request.urlopen(urllib.request.Request(url, method=method), timeout=self.policy.timeout_s)
         except urllib.error.HTTPError as err:
             if err.code == 404:
                 raise StoreError(url, "HTTP 404: no such object", "check data.shards and that the dataset was "
@@ -174,6 +183,14 @@ class HttpStore:
 
     def upload(self, path: Path, name: str) -> None:
         self.delete(name)
+
+    def size(self, name: str) -> int:
+        with self._open(name, "HEAD") as response:
+            length = response.headers.get("Content-Length")
+        if length is None:
+            raise StoreError(self.object_url(name), "the server gave no Content-Length",
+                             "serve the file from a server that answers HEAD with its size")
+        return int(length)
 
     def delete(self, name: str) -> None:
         raise StoreError(self.object_url(name), "HTTP stores are read-only here",
@@ -253,6 +270,10 @@ class S3Store:
 
     def delete(self, name: str) -> None:
         self._call(name, lambda: self.client.delete_object(Bucket=self.bucket, Key=self.key(name)))
+
+    def size(self, name: str) -> int:
+        return int(self._call(name, lambda: self.client.head_object(Bucket=self.bucket,
+                                                                      Key=self.key(name)))["ContentLength"])
 
 
 def read_by_download(store: ByteStore, name: str) -> bytes:

@@ -1,0 +1,69 @@
+"""One work unit's shards: read its pieces, skip by reason, encode, split validation, pack and write.
+
+Within a unit the validation documents are chosen exactly as for a whole corpus (prepare.choose_validation on the
+documents' keys), each split is packed as BOS d EOS BOS d EOS ... and written as `{split}-{unit:06d}-{k:04d}.tar`
+whose members are numbered by row within the unit (global offsets are assigned when the units are finalized).
+"""
+from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .prepare import SPLITS, choose_validation
+from .readers import ReadOptions, open_reader
+from .readers.fields import check_token_ids
+from .shard_writer import RowPacker, SplitShardWriter, shard_name
+from .units import WorkUnit
+
+
+def unit_shard_name(split: str, unit: int, number: int) -> str:
+    return f"{split}-{unit:06d}-{number:04d}.tar"
+
+
+def read_unit_records(unit: WorkUnit, options: ReadOptions):
+    for piece_range in unit.ranges:
+        yield from open_reader(piece_range.file, options).read(piece_range.first, piece_range.stop)
+
+
+def write_unit(unit: WorkUnit, out: Path, options: ReadOptions, encode: Callable[[str], np.ndarray] | None,
+               specials: tuple[int, int, int], vocab_size: int, seq_len: int, shard_size: int,
+               val_fraction: float, dtype) -> dict:
+    """Write the unit's shards into `out`; returns its summary (rows, tokens, documents, skips, shards per split)."""
+    skipped: Counter = Counter()
+    docs = []
+    for record in read_unit_records(unit, options):
+        if record.skip_reason:
+            skipped[record.skip_reason] += 1
+            continue
+        if record.tokens is not None:
+            check_token_ids(record.tokens, vocab_size, record.key)
+            tokens = np.asarray(record.tokens, dtype=dtype)
+        else:
+            tokens = encode(record.text)
+        docs.append((record.key, tokens))
+    val_keys = choose_validation([key for key, _ in docs], val_fraction) if val_fraction > 0 and docs else set()
+    bos, eos, pad = specials
+    summary = {"documents": len(docs), "skipped_by_reason": dict(sorted(skipped.items())), "splits": {}}
+    for split in SPLITS:
+        packer = RowPacker(seq_len + 1, bos, eos, pad, dtype)
+        staging = out / f".{split}"
+        staging.mkdir()
+        writer = SplitShardWriter(staging, split, shard_size, seq_len + 1, dtype)
+        for key, tokens in docs:
+            if (key in val_keys) == (split == "val"):
+                writer.add_rows(packer.add_document(tokens))
+        _, _, dropped = packer.finish(keep_partial=False)
+        shards = writer.close()
+        for number, shard in enumerate(shards):
+            shard["name"] = unit_shard_name(split, unit.index, number)
+            os.replace(staging / shard_name(split, number), out / shard["name"])
+        staging.rmdir()
+        summary["splits"][split] = {"rows": writer.rows_written, "documents": packer.documents,
+                                    "stream_tokens": packer.stream_tokens, "dropped_tail_tokens": dropped,
+                                    "shards": shards}
+    return summary
+
