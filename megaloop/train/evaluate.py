@@ -61,11 +61,12 @@ def _losses(model, batches, depths, seed, precision, device, runtime: TrainerRun
             bar.depth(depth)
         micro_batches = [_micro_batch(batch, depth, seed, device) for batch in batches]
         counts = [int((mb.labels != -100).sum()) for mb in micro_batches]
-        counted = [mb for mb, n in zip(micro_batches, counts) if n]  # a batch of padding rows only adds nothing
-        losses = runtime.forward_losses(model, counted, autocast)  # the runtime's forward (a ring under pp)
+        # every batch is run, padding-only ones too (their loss is left out): the ranks of a job run the same
+        # forwards, which engines that gather parameters in the forward (ZeRO-3) and pipeline rings require
+        losses = runtime.forward_losses(model, micro_batches, autocast)  # the runtime's forward (a ring under pp)
         if bar is not None:
             bar.update(len(batches))
-        loss_sum = sum(loss * n for loss, n in zip(losses, [n for n in counts if n]))
+        loss_sum = sum(loss * n for loss, n in zip(losses, counts) if n)
         loss_sum, tokens = runtime.sum_over_dp(loss_sum), int(runtime.sum_over_dp(float(sum(counts))))
         rows = int(runtime.sum_over_dp(float(sum(_rows(batch) for batch in batches))))
         # no validation tokens (no val split, or data.val_batches=0): no measurement, so NaN ("n/a"), never 0

@@ -144,7 +144,7 @@ def test_a_run_whose_only_checkpoint_is_corrupt_starts_afresh_as_told(tiny_shard
     with pytest.raises(ResumeError) as refused:
         train(config(tiny_shards, tmp_path, 4))
     message = str(refused.value)
-    command = re.search(r"`(python -m checkpoints verify \S+)` shows what is wrong; run the same command again",
+    command = re.search(r"`(python -m checkpoints verify \S+)` shows what is wrong\); run the same command again",
                         message)
     assert command, message
     assert "checksum mismatch" in verified(command.group(1), capsys)
@@ -158,8 +158,8 @@ def test_a_corrupt_checkpoint_to_resume_from_is_left_out_as_told(saved_run, tiny
     with pytest.raises(ResumeError) as refused:
         train(config(tiny_shards, tmp_path / "run", 2, f"checkpoint.resume={tmp_path / 'other'}"))
     message = str(refused.value)
-    found = re.search(r"`(python -m checkpoints verify \S+)` shows what is wrong; point checkpoint.resume at another "
-                      r"checkpoint, or leave it null to start afresh\)$", message)
+    found = re.search(r"`(python -m checkpoints verify \S+)` shows what is wrong\); point checkpoint.resume at "
+                      r"another checkpoint, or leave it null to start afresh$", message)
     assert found, message
     assert "checksum mismatch" in verified(found.group(1), capsys)
     assert (tmp_path / "other").exists()  # another run's checkpoints are never moved
