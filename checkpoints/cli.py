@@ -65,7 +65,10 @@ def resolve(dir_arg: str) -> Path:
         return path
     found = find_checkpoints(path)
     if not found:
-        raise CheckpointError(f"{path}: not a checkpoint directory and holds no committed checkpoint; give a "
+        aside = sorted(p.name for p in path.glob("step_*.corrupt"))
+        held = (f" (it holds {len(aside)} set aside as corrupt, e.g. {aside[-1]}: verify one by its path)"
+                if aside else "")
+        raise CheckpointError(f"{path}: not a checkpoint directory and holds no committed checkpoint{held}; give a "
                               "step_XXXXXXXX directory or the root that holds 'latest'")
     return found[0]
 

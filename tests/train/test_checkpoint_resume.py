@@ -171,12 +171,14 @@ def test_the_only_checkpoint_corrupt_gives_advice_that_works_when_followed(tiny_
                                                  "resume from"), err
     assert "falling back" not in err and "run the same command again to start the run afresh" in str(failure.value)
     assert not (root / "latest").exists() and (root / "step_00000004.corrupt").is_dir()
+    from checkpoints.cli import main as checkpoints_main
+    assert checkpoints_main(["verify", str(root), "--all"]) == 2  # nothing committed, and it says what is there
+    assert "holds 1 set aside as corrupt, e.g. step_00000004.corrupt" in capfd.readouterr().err
     summary, _ = run(tiny_shards, tmp_path, 4)  # the advice, followed literally
     assert summary.start_step == 0 and summary.steps_done == 4
     assert "starting the run afresh" in capfd.readouterr().err
     assert (tmp_path / "metrics.1.jsonl").is_file() and (tmp_path / "COMPLETED").is_file()
     assert (root / "latest").read_text().strip() == "step_00000004"
-    from checkpoints.cli import main as checkpoints_main
     assert checkpoints_main(["verify", str(root), "--all"]) == 0
 
 
