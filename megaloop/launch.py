@@ -125,6 +125,9 @@ def _quiet_clean_stops(code: int) -> None:
     import logging
 
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_DropExitCode(code))
+    # the agent ending the other workers once one has exited: this command reports the outcome in its own line
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
+        lambda record: "closing signal" not in record.getMessage())
 
 
 def _stopped_marker(out_dir: Path, since: float) -> str | None:
