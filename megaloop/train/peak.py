@@ -225,9 +225,10 @@ def oversubscription_warning(processes: int, threads: int, cores: int | None = N
     cores = available_cores() if cores is None else cores
     if processes * threads <= cores:
         return None
+    fix = (f"OMP_NUM_THREADS={cores // processes}" if threads > 1 and cores >= processes
+           else f"at most {cores} process(es) with OMP_NUM_THREADS=1")
     return (f"{processes} process(es) x {threads} thread(s) on {cores} available core(s): they share the cores, "
-            f"so the peak counts {cores} core(s) and steps run slower than with at most {cores} threads in all "
-            f"(fewer processes, or OMP_NUM_THREADS={max(1, cores // processes)})")
+            f"so the peak counts {cores} core(s) and the steps run slower than they would with {fix}")
 
 
 def gpu_peak(name: str, precision: str) -> Peak:
