@@ -51,9 +51,12 @@ class ShardData:
         self._ahead = None  # the training iterator whose first batch read_first_batch read
         self.val_rows = self.manifest["splits"].get("val", {}).get("rows", 0) if d.val_batches else 0
         if not self.val_rows and dp_rank == 0 and os.environ.get("RANK", "0") == "0":
-            reason = "data.val_batches=0" if not d.val_batches else f"{self.source.url} has no val split"
-            print(f"megaloop: note: {reason}, so there is no validation loss (reported as n/a); shards made with "
-                  "--val-fraction > 0 (default 0.01) hold one", file=sys.stderr)
+            if d.val_batches:
+                print(f"megaloop: note: {self.source.url} has no val split, so there is no validation loss (reported "
+                      "as n/a); shards made with --val-fraction > 0 (default 0.01) hold one", file=sys.stderr)
+            else:
+                print("megaloop: note: validation is off (data.val_batches=0): no validation loss (reported as n/a)",
+                      file=sys.stderr)
 
     def train_batches(self):
         """The training batches from the loader's position (the one read_first_batch read first)."""

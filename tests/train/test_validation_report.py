@@ -77,3 +77,12 @@ def test_validation_turned_off_is_not_blamed_on_the_shards(tiny_shards, tmp_path
     assert "validation was off (data.val_batches=0" in off and "--val-fraction" not in off, off
     on = format_summary(load_config(TINY, fast_overrides(tiny_shards, tmp_path, 2)), summary)
     assert "--val-fraction" in on and "validation was off" not in on, on
+
+
+def test_validation_off_is_noted_without_shard_advice(tiny_shards, tmp_path, capsys):
+    from megaloop.train.data import open_data
+
+    cfg = load_config(TINY, fast_overrides(tiny_shards, tmp_path, 2) + ["data.val_batches=0"])
+    open_data(cfg, 0, 1).close()
+    err = capsys.readouterr().err
+    assert "validation is off (data.val_batches=0)" in err and "--val-fraction" not in err, err
