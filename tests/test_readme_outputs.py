@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_readme_walk import fenced_blocks
+
 REPO = Path(__file__).resolve().parents[1]
 OUTPUT_MARK = re.compile(r"<!--\s*readme-walk:\s*output\s*\((?P<command>[^)]*)\)\s*-->")
 COMMAND_LINE = re.compile(r"^(python|bash|#)\b")
@@ -19,18 +21,10 @@ COMMAND_LINE = re.compile(r"^(python|bash|#)\b")
 
 def text_blocks(text: str) -> list[tuple[int, str | None, list[str]]]:
     """(line of the fence, the output marker's command or None, the block's lines) for every ```text block."""
-    lines, found, i = text.splitlines(), [], 0
-    while i < len(lines):
-        if lines[i].strip() == "```text":
-            start, body = i, []
-            i += 1
-            while i < len(lines) and lines[i].strip() != "```":
-                body.append(lines[i])
-                i += 1
-            above = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
-            mark = OUTPUT_MARK.search(above)
-            found.append((start + 1, mark.group("command") if mark else None, body))
-        i += 1
+    found = []
+    for line, above, body in fenced_blocks(text, "text"):
+        mark = OUTPUT_MARK.search(above)
+        found.append((line, mark.group("command") if mark else None, body))
     return found
 
 

@@ -50,23 +50,32 @@ class Block:
     check_reason: str | None = None  # train/launch commands only checked (see the module docstring)
 
 
-def readme_blocks(text: str) -> list[Block]:
-    """The ```bash blocks of a markdown text, in order, each with the skip or check reason of a marker just above
-    it."""
+def fenced_blocks(text: str, lang: str) -> list[tuple[int, str, list[str]]]:
+    """(1-based line of the opening fence, the nearest non-blank line above it, the body's lines) of every ```lang
+    block of a markdown text, in order."""
     lines = text.splitlines()
     blocks, i = [], 0
     while i < len(lines):
-        if lines[i].strip() == "```bash":
+        if lines[i].strip() == f"```{lang}":
             start, body = i, []
             i += 1
             while i < len(lines) and lines[i].strip() != "```":
                 body.append(lines[i])
                 i += 1
             above = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
-            mark = SKIP_MARK.search(above)
-            reason = {mark.group("kind"): mark.group("reason")} if mark else {}
-            blocks.append(Block(start + 1, "\n".join(body), reason.get("skip"), reason.get("check")))
+            blocks.append((start + 1, above, body))
         i += 1
+    return blocks
+
+
+def readme_blocks(text: str) -> list[Block]:
+    """The ```bash blocks of a markdown text, in order, each with the skip or check reason of a marker just above
+    it."""
+    blocks = []
+    for line, above, body in fenced_blocks(text, "bash"):
+        mark = SKIP_MARK.search(above)
+        reason = {mark.group("kind"): mark.group("reason")} if mark else {}
+        blocks.append(Block(line, "\n".join(body), reason.get("skip"), reason.get("check")))
     return blocks
 
 
