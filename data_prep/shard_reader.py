@@ -214,6 +214,11 @@ class ShardDataset:
                 rows = ShardRows(path, entry, self.row_len, self.dtype, vocab)
                 break
             except CorruptShardError:
+                if self.source.streams and attempt == 0 and path.exists():
+                    # a damaged local copy of a verified download (the node's disk): fetched again, so that only
+                    # the store's bytes, the same for every rank, can make a streamed shard corrupt
+                    path.unlink(missing_ok=True)
+                    continue
                 if path.exists() or attempt == 2:  # else: evicted by another rank between fetch and open
                     raise
         self._open[number] = rows

@@ -360,3 +360,23 @@ def test_a_transfer_damaged_on_the_way_is_fetched_again_not_skipped(tiny_shards,
         assert loader.skipped == [] and len(server.flip_once) < len(entries)  # some arrived altered, none skipped
     finally:
         server.close()
+
+
+def test_a_damaged_cached_copy_is_fetched_again_not_skipped(tiny_shards, tmp_path):
+    """A shard verified on download and later damaged in the node cache (a truncated file): under on_corrupt=skip the
+    reader fetches it again instead of leaving it out on this rank alone, so the rows stay those every rank reads."""
+    entries = read_manifest(tiny_shards)["splits"]["train"]["shards"]
+    server = FileServer(tiny_shards)
+    try:
+        source = StreamSource(server.url, tmp_path / "cache", policy=FAST)
+        for entry in entries:
+            path = source.shard_path(entry)
+        for cached in (tmp_path / "cache").rglob("*-train-*.tar"):
+            with open(cached, "r+b") as f:
+                f.truncate(cached.stat().st_size // 2)
+        loader = ShardLoader(source, G, seed=5, order="blocks", block_shards=W, prefetch=0, on_corrupt="skip")
+        next(iter(loader))
+        assert loader.skipped == [] and path.exists()
+        assert max(server.hits[e["name"]] for e in entries) == 2  # fetched once more after the damage
+    finally:
+        server.close()
