@@ -40,6 +40,25 @@ class DocumentReader(Protocol):
         """The records of pieces [first, stop), in order."""
 
 
+class WholeFileReader:
+    """A reader whose file is one piece (text, JSON lines): the piece's size, and the file's (decompressed) bytes
+    when a read asks for that piece."""
+
+    def __init__(self, source: InputFile, options: ReadOptions):
+        self.source, self.options = source, options
+
+    def pieces(self) -> list[int]:
+        return [self.source.size]
+
+    def _whole_file(self, first: int, stop: int | None) -> bytes | None:
+        """The file's bytes when the range [first, stop) holds its one piece, else None."""
+        from .compression import read_all
+
+        if first > 0 or stop == 0:
+            return None
+        return read_all(self.source.location, self.source.compression)
+
+
 def open_reader(source: InputFile, options: ReadOptions) -> DocumentReader:
     """The reader of `source`'s format."""
     from .jsonl import JsonlReader

@@ -5,23 +5,15 @@ import json
 from typing import Iterator
 
 from ..errors import DataPrepError
-from ..inputs import InputFile
-from .base import ReadOptions, Record
-from .compression import read_all
+from .base import Record, WholeFileReader
 from .fields import bad_record, row_to_record
 
 
-class JsonlReader:
-    def __init__(self, source: InputFile, options: ReadOptions):
-        self.source, self.options = source, options
-
-    def pieces(self) -> list[int]:
-        return [self.source.size]
-
+class JsonlReader(WholeFileReader):
     def read(self, first: int = 0, stop: int | None = None) -> Iterator[Record]:
-        if first > 0 or stop == 0:
+        data = self._whole_file(first, stop)
+        if data is None:
             return
-        data = read_all(self.source.location, self.source.compression)
         for number, line in enumerate(data.split(b"\n"), start=1):
             if not line.strip():
                 continue

@@ -3,23 +3,15 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from ..inputs import InputFile
 from ..text_io import BINARY_PROBE_BYTES, SKIP_BINARY, SKIP_EMPTY, SKIP_INVALID, normalise_text
-from .base import ReadOptions, Record
-from .compression import read_all
+from .base import Record, WholeFileReader
 
 
-class TextReader:
-    def __init__(self, source: InputFile, options: ReadOptions):
-        self.source, self.options = source, options
-
-    def pieces(self) -> list[int]:
-        return [self.source.size]
-
+class TextReader(WholeFileReader):
     def read(self, first: int = 0, stop: int | None = None) -> Iterator[Record]:
-        if first > 0 or stop == 0:
+        data = self._whole_file(first, stop)
+        if data is None:
             return
-        data = read_all(self.source.location, self.source.compression)
         record = Record(self.source.name)
         if not data:
             record.skip_reason = SKIP_EMPTY
