@@ -25,7 +25,7 @@ class ShardData:
 
     bytes_per_token: float | None  # of the val split's text (None: unknown), set from the manifest
 
-    def __init__(self, cfg: Config, dp_rank: int, dp_size: int, layout=None, pin: bool = False):
+    def __init__(self, cfg: Config, dp_rank: int, dp_size: int, layout=None, pin: bool = False, gather=None):
         from data_prep.loader import ShardLoader
 
         d = cfg.data
@@ -44,8 +44,8 @@ class ShardData:
                                   read_tokens=self.replica is None or self.replica.reads,
                                   order=data_order(cfg), block_shards=d.block_shards, prefetch_steps=d.prefetch_steps,
                                   mix=d.mix)
-        if d.on_corrupt == "skip":
-            _agree_on_skipped_shards(self.loader)
+        if d.on_corrupt == "skip" and gather is not None:
+            _agree_on_skipped_shards(self.loader, gather, dp_rank == 0 and os.environ.get("RANK", "0") == "0")
         self.bytes_per_token = _bytes_per_token(self.manifest, "val")
         self._val = None
         self._ahead = None  # the training iterator whose first batch read_first_batch read
@@ -182,20 +182,18 @@ def rank_selection(cfg: Config, dp_rank: int, dp_size: int):
     return select
 
 
-def _agree_on_skipped_shards(loader) -> None:
+def _agree_on_skipped_shards(loader, gather, is_main: bool) -> None:
     """data.on_corrupt=skip is one decision of the job: every rank leaves out every shard that any rank found
     unreadable (a node's damaged copy, a read error on one rank), so that all read one set of rows in one order.
-    Streamed shards are checked on arrival against the manifest's sha256 (a failed background download is fetched
-    again), so their verdict is the store's bytes, the same for every rank that touches them."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    `gather(obj)`: every rank's obj (the runtime's all_gather_object). Streamed shards are checked on arrival
+    against the manifest's sha256 and fetched again when a download or a cached copy is damaged, so their verdict
+    is the store's bytes, the same for every rank that touches them."""
+    everyone = gather(loader.skipped_names())
+    if len(everyone) == 1:
         return
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, loader.skipped_names())
     union = sorted({tuple(x) for names in everyone for x in names})
     loader.agree_skipped(union)
-    if dist.get_rank() == 0 and any(len(names) != len(union) for names in everyone):
+    if is_main and any(len(names) != len(union) for names in everyone):
         print(f"megaloop: data.on_corrupt=skip: the ranks disagreed on which shards are readable; every rank leaves "
               f"out all {len(union)} that some rank could not read", file=sys.stderr, flush=True)
 
@@ -223,11 +221,12 @@ def pin_batches(device) -> bool:
     return device is not None and pins(device)
 
 
-def open_data(cfg: Config, dp_rank: int, dp_size: int, layout=None, device=None) -> ShardData:
+def open_data(cfg: Config, dp_rank: int, dp_size: int, layout=None, device=None, gather=None) -> ShardData:
     """The run's data for data-parallel rank dp_rank of dp_size; `layout` (the runtime's
     pipeline.layout.ParallelLayout, if any) makes one rank per data-parallel replica read the rows; `device`: where
-    the batches go (pin_batches)."""
+    the batches go (pin_batches); `gather` (the runtime's all_gather_object): how the ranks agree on the shards
+    data.on_corrupt=skip leaves out (None: this process alone)."""
     if cfg.data.shards is None:
         raise ConfigError("data.shards", None, "set it to a directory written by `python -m data_prep shards` "
                           "(e.g. --set data.shards=runs/quickstart/shards)")
-    return ShardData(cfg, dp_rank, dp_size, layout, pin=pin_batches(device))
+    return ShardData(cfg, dp_rank, dp_size, layout, pin=pin_batches(device), gather=gather)

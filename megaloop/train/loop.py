@@ -122,7 +122,8 @@ def _train(cfg: Config, runtime: TrainerRuntime | None) -> RunSummary:
         owns_runtime = runtime is None
         runtime = runtime or make_runtime(cfg, device)
         out_dir = Path(cfg.train.out_dir)
-        data = open_data(cfg, runtime.dp_rank, runtime.dp_size, runtime.layout, device)  # fails early on bad data
+        data = open_data(cfg, runtime.dp_rank, runtime.dp_size, runtime.layout, device,  # fails early on bad data
+                         gather=runtime.all_gather_object)
         ckpt = RunCheckpoints(cfg, runtime)
         idle = False
         try:  # a resumed job allocates its parameters without initialising them: the checkpoint fills them

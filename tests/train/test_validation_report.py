@@ -86,3 +86,21 @@ def test_validation_off_is_noted_without_shard_advice(tiny_shards, tmp_path, cap
     open_data(cfg, 0, 1).close()
     err = capsys.readouterr().err
     assert "validation is off (data.val_batches=0)" in err and "--val-fraction" not in err, err
+
+
+def test_the_trainers_data_leaves_out_what_another_rank_could_not_read(tiny_shards, tmp_path):
+    """data.on_corrupt=skip through the runtime's all_gather_object: a shard another rank reported unreadable is
+    left out here too, before any batch (an independent count: the rows drop by that shard's rows)."""
+    from data_prep.manifest import read_manifest
+    from megaloop.train.data import open_data
+
+    cfg = load_config(TINY, fast_overrides(tiny_shards, tmp_path, 2) + ["data.on_corrupt=skip"])
+    shard = read_manifest(tiny_shards)["splits"]["train"]["shards"][0]
+    alone = open_data(cfg, 0, 1)
+    together = open_data(cfg, 0, 1, gather=lambda mine: [mine, [(0, shard["name"])]])
+    try:
+        assert together.loader.num_rows == alone.loader.num_rows - shard["rows"]
+        assert [s["shard"] for s in together.loader.skipped] == [shard["name"]]
+    finally:
+        alone.close()
+        together.close()
