@@ -14,7 +14,9 @@ Definitions (per second of the measured steps' wall time, summed over the job's 
 Step split (rank 0's mean per step): data (waiting for the batch), forward, backward (summed over micro-batches),
 exposed communication (the gradient reduction's wait after the backward), optimizer, pipeline idle (a stage waiting
 for its neighbours' messages; on a GPU the pipeline's ring run is reported whole as forward), other (the rest: the
-step's statistics reduction, host work).
+step's statistics reduction, host work). A GPU's phase times are read one step late (CUDA events, never waited
+for: train record s holds step s-1's, named by its time_phases_step), so the split covers the measured steps whose
+phases a later record reports (all but the last there) and sets each beside that same step's wall time and data wait.
 """
 from __future__ import annotations
 
@@ -57,12 +59,15 @@ class BenchFigures:
     peaks: dict  # label -> job TFLOP/s
     peak_sources: dict
     mfu: dict  # label -> useful / peak
-    split_s: dict  # SPLIT name -> mean seconds per step
-    step_s: float
+    split_s: dict  # SPLIT name -> mean seconds per step, over split_steps of the measured steps
+    step_s: float  # their mean wall time
+    split_steps: int
 
 
-def summarise(records: list[dict], cfg, world: int, precision: str, peaks: dict, sources: dict) -> BenchFigures:
-    """The figures of the measured steps' train records; peaks: label -> the job's TFLOP/s."""
+def summarise(records: list[dict], cfg, world: int, precision: str, peaks: dict, sources: dict,
+              later: list[dict] = ()) -> BenchFigures:
+    """The figures of the measured steps' train records; peaks: label -> the job's TFLOP/s. later: the train
+    records after them (none in a bench run, which ends with its last measured step), read only for phase times."""
     from megaloop.train.flops import FlopModel
 
     m = cfg.model
@@ -73,14 +78,29 @@ def summarise(records: list[dict], cfg, world: int, precision: str, peaks: dict,
     executed = sum(r["executed_flops"] for r in records)
     k = min(m.backprop_depth, max(r["executed_depth"] for r in records)) if m.is_looped else 0
     recompute = tokens * fm.recompute_per_token(k, cfg.train.activation_checkpointing)
-    split = {name: sum(_finite(r.get(f"time_{name}", 0.0)) for r in records) / len(records) for name in SPLIT[:-1]}
-    step = wall / len(records)
-    split["other"] = max(0.0, step - sum(split.values()))
+    split, step, paired = step_split(records, [*records, *later])
     rate = useful / wall / 1e12
     return BenchFigures(len(records), world, precision, tokens / wall, rate, executed / wall / 1e12,
                         (executed + recompute) / wall / 1e12, peaks, sources,
                         {label: rate / p if p and math.isfinite(p) else float("nan") for label, p in peaks.items()},
-                        split, step)
+                        split, step, paired)
+
+
+def step_split(measured: list[dict], reporting: list[dict]) -> tuple[dict, float, int]:
+    """(SPLIT name -> mean seconds, mean step seconds, steps) over the measured steps whose phase times one of
+    `reporting` holds (time_phases_step; records without it report their own step's): each step's phases beside
+    its own wall time and data wait, never a neighbour's. NaN times (a GPU's first step) count as 0."""
+    phases_of = {r.get("time_phases_step", r["step"]): r for r in reporting}
+    paired = [(r, phases_of[r["step"]]) for r in measured if r["step"] in phases_of]
+    if not paired:
+        return dict.fromkeys(SPLIT, float("nan")), float("nan"), 0
+    n = len(paired)
+    split = {"data": sum(_finite(r.get("time_data", 0.0)) for r, _ in paired) / n}
+    for name in SPLIT[1:-1]:
+        split[name] = sum(_finite(p.get(f"time_{name}", 0.0)) for _, p in paired) / n
+    step = sum(r["time_step"] for r, _ in paired) / n
+    split["other"] = max(0.0, step - sum(split.values()))
+    return split, step, n
 
 
 def _finite(x) -> float:
@@ -129,10 +149,13 @@ def format_table(f: BenchFigures, title: str) -> str:
         shown = "n/a" if not math.isfinite(mfu) else f"{100 * mfu:.2f}%"
         lines.append(f"{'MFU vs ' + label + ' peak':<34} {shown:>8}  (peak {peak:.4g} TFLOP/s: "
                      f"{f.peak_sources[label]})")
-    lines.append(f"{'step (mean)':<34} {1e3 * f.step_s:.1f} ms")
+    whose = "every measured step" if f.split_steps == f.steps else \
+        f"{f.split_steps} of the {f.steps} measured steps: the last one's GPU times are read after the run"
+    lines.append(f"{'step (mean)':<34} {1e3 * f.step_s:.1f} ms  ({whose})")
     for name in SPLIT:
         s = f.split_s[name]
-        lines.append(f"  {name.replace('_', ' '):<32} {1e3 * s:9.1f} ms {100 * s / f.step_s:6.1f}%")
+        share = f"{100 * s / f.step_s:6.1f}%" if f.split_steps else "    n/a"
+        lines.append(f"  {name.replace('_', ' '):<32} {1e3 * s:9.1f} ms {share}")
     return "\n".join(lines)
 
 
@@ -184,10 +207,12 @@ def run_bench(args) -> int:
     if args.warmup < 0:
         raise ConfigError("--warmup", args.warmup, "must be >= 0")
     out = Path(args.out_dir or tempfile.mkdtemp(prefix="megaloop-bench-"))
-    total = args.warmup + args.steps
+    world = args.nproc_per_node
+    device = _device(load_config(args.config, list(args.overrides), world_size=world, validate=False))
+    end = args.warmup + args.steps
+    total = end + (1 if device == "cuda" else 0)  # a GPU's phase times of step s are read at step s + 1
     sets = list(args.overrides) + [f"train.steps={total}", f"train.out_dir={out}", "data.val_batches=0",
                                    f"train.val_every={total}", "train.log_every=1", "checkpoint.every=0"]
-    world = args.nproc_per_node
     cfg = load_config(args.config, sets, world_size=world)
     if (out / "metrics.jsonl").exists():
         raise ConfigError("--out-dir", str(out), "already holds a run; give a new directory")
@@ -195,13 +220,11 @@ def run_bench(args) -> int:
     code = _train(args, sets, cfg)
     if code != 0:
         return code
-    records = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-               if r.get("kind") == "train" and r["step"] >= args.warmup]
+    train = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r.get("kind") == "train"]
     summary = json.loads((out / "summary.json").read_text())
-    device = "cuda" if cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available()) \
-        else "cpu"
     peaks, sources = job_peaks(device, summary["precision"], world, threads)
-    figures = summarise(records, cfg, world, summary["precision"], peaks, sources)
+    figures = summarise([r for r in train if args.warmup <= r["step"] < end], cfg, world, summary["precision"], peaks,
+                        sources, later=[r for r in train if r["step"] >= end])
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
     layout = f"tp={tp}, pp={pp}, dp={world // (tp * pp)}"
     title = f"megaloop bench {Path(args.config).stem} ({layout}; {world} process(es) on {device})"
@@ -212,3 +235,9 @@ def run_bench(args) -> int:
     if args.json:
         print(json.dumps({"config": args.config, **asdict(figures)}))
     return 0
+
+
+def _device(cfg) -> str:
+    import torch
+
+    return "cuda" if cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available()) else "cpu"

@@ -375,5 +375,5 @@ def _train_record(step, stats, figures, t_data, dt, summary, optimizer, guard: P
         "mfu": mfu, "hfu": hfu,
         "time_data": t_data, "time_forward": stats.times["forward"], "time_backward": stats.times["backward"],
         "time_optimizer": stats.times["optimizer"], "time_communication": stats.times["communication"],
-        "time_pipeline_idle": stats.times["pipeline_idle"], "time_step": dt,
+        "time_pipeline_idle": stats.times["pipeline_idle"], "time_phases_step": stats.times_step, "time_step": dt,
     }

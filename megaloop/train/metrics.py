@@ -22,6 +22,7 @@ TRAIN_FIELDS = {
     "idle_fraction_loop": NUMBER, "useful_flops": NUMBER,
     "executed_flops": NUMBER, "mfu": NUMBER, "hfu": NUMBER, "time_data": NUMBER, "time_forward": NUMBER,
     "time_backward": NUMBER, "time_optimizer": NUMBER, "time_communication": NUMBER, "time_pipeline_idle": NUMBER,
+    "time_phases_step": int,  # the step the forward ... pipeline_idle times are of (on a GPU: the one before)
     "time_step": NUMBER,
     "data_bytes_downloaded": int, "data_cache_hit_ratio": NUMBER,  # this rank's node-cache figures so far
 }

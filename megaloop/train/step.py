@@ -62,6 +62,7 @@ class StepStats:
     core_rows: object = 0  # core passes executed on this rank (int, or a device tensor from the model)
     ran: list = field(default_factory=list)  # (micro-batch, the core passes the model reported for it)
     times: dict = field(default_factory=lambda: dict.fromkeys(TIMED, 0.0))
+    times_step: int = 0  # the step `times` belong to: this one on the CPU, the previous one on a GPU (StepTimer)
     record: object = None
     summed: HostCopy | None = None  # the packed statistics summed over the job, on their way to the host
 
@@ -85,6 +86,7 @@ class StepTimer:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self.lag = 1 if self.cuda else 0  # totals() at step s are step s - lag's times
         self.spans = self._empty()
         self.pending = None  # CUDA: the previous step's spans, read at this step's end
 
@@ -150,6 +152,7 @@ def train_step(model, optimizer, batch: dict, depth_sample, step: int, seed: int
     optimizer.zero_grad(set_to_none=True)
     timer.add("optimizer", t3, timer.mark())
     stats.times.update(timer.totals())  # on a GPU the previous step's: no synchronisation here
+    stats.times_step = step - timer.lag
     return stats
 
 

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from megaloop.config import load_config
-from megaloop.train.bench import SPLIT, summarise
+from megaloop.train.bench import SPLIT, format_table, summarise
 from megaloop.train.flops import FlopModel
 from megaloop.train.peak import gpu_peak
 from tests.train.conftest import TINY, fast_overrides
@@ -36,6 +36,28 @@ def test_summarise_by_hand():
     assert f.split_s["forward"] == pytest.approx(0.3)  # a NaN time (a GPU's first step) counts as 0
     assert f.split_s["other"] == pytest.approx(3.0 - (0.1 + 0.3 + 0.9 + 0.1 + 0.2))
     assert sum(f.split_s[s] for s in SPLIT) == pytest.approx(f.step_s)
+
+
+def test_gpu_phase_times_are_paired_with_their_own_step():
+    """On a GPU record s holds step s-1's phase times (time_phases_step): each measured step's forward ... is read
+    from the next record and set beside that step's own wall time, so a slow warm-up step's phases (reported by the
+    first measured record) never enter the split, and a bench's trailing record supplies the last step's."""
+    cfg = load_config(TINY, [], validate=False)
+    slow_warmup = _record(1, time_phases_step=0, time_forward=9.0, time_backward=9.0)  # step 0's phases
+    measured = [slow_warmup] + [_record(s, time_phases_step=s - 1, time_step=1.0 + s, time_data=0.01 * s,
+                                        time_forward=0.1 * (s - 1), time_backward=0.2) for s in (2, 3)]
+    trailing = _record(4, time_phases_step=3, time_forward=0.3, time_backward=0.2)
+    f = summarise(measured, cfg, 1, "bf16", {"bf16 dense": 1.0}, {"bf16 dense": "x"}, later=[trailing])
+    # steps 1, 2, 3 have phases (from records 2, 3, 4): forward 0.1, 0.2, 0.3; wall 2.0, 3.0, 4.0; data 0.1, 0.02, 0.03
+    assert f.split_steps == 3
+    assert f.split_s["forward"] == pytest.approx(0.2)
+    assert f.split_s["backward"] == pytest.approx(0.2)
+    assert f.split_s["data"] == pytest.approx((0.1 + 0.02 + 0.03) / 3)
+    assert f.step_s == pytest.approx(3.0)
+    assert sum(f.split_s[s] for s in SPLIT) == pytest.approx(f.step_s)
+    without_trailing = summarise(measured, cfg, 1, "bf16", {"bf16 dense": 1.0}, {"bf16 dense": "x"})
+    assert without_trailing.split_steps == 2 and without_trailing.split_s["forward"] == pytest.approx(0.15)
+    assert "2 of the 3 measured steps" in format_table(without_trailing, "t")
 
 
 @pytest.mark.parametrize("name,prec,want", [
