@@ -17,7 +17,9 @@
 # data/sample_corpus under runs/gpu_check (or SHARDS=DIR: shards of seq_len 2048 and vocab <= 32768).
 # Time on one H200, estimated from the FLOPs: the pytest checks ~2 min; the FP8 loss runs 4 x 50 steps x 8192
 # tokens x ~0.9 GFLOP/token = 1.5 PFLOP, seconds of GEMMs, ~2 min with start-up and validation; the throughput runs
-# ~5-6 min (scripts/gpu_bench.sh): under 10 minutes in all.
+# ~5-6 min (scripts/gpu_bench.sh): under 10 minutes in all. DeepSpeed on NCCL: tests/gpu/test_gpu_deepspeed.py.
+# Time limits, for a machine lent for a few minutes: LIMIT_TESTS, LIMIT_FP8 and LIMIT_BENCH (seconds; unset: none)
+# bound the three parts; a part that runs out is reported as failed (exit 124) and the next one starts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-}
@@ -45,7 +47,12 @@ print(f"FP8 GEMMs (torch._scaled_mm): {'yes' if (major, minor) >= (8, 9) else 'n
 PYEOF
 export PYTHONUNBUFFERED=1
 status=0
-"$PY" -m pytest -q -s -rs -p no:cacheprovider -m gpu tests/gpu "$@" || status=$?
+limit() {  # seconds (empty: no limit), then the command
+  local seconds=$1
+  shift
+  timeout "${seconds:-0}" "$@"
+}
+limit "${LIMIT_TESTS:-}" "$PY" -m pytest -q -s -rs -p no:cacheprovider -m gpu tests/gpu "$@" || status=$?
 fp8_runs=(none tensorwise rowwise)
 if "$PY" -c "import transformer_engine.pytorch" >/dev/null 2>&1; then
   fp8_runs+=(te)
@@ -54,9 +61,9 @@ else
 fi
 echo "== FP8 vs bf16: parcae-140m, 50 steps, seq 512 (${fp8_runs[*]})"
 mkdir -p runs/gpu_check
-"$PY" benchmarks/fp8_curves.py --config configs/parcae-140m.yaml --steps 50 --seq-len 512 --window 10 --tail 10 \
+limit "${LIMIT_FP8:-}" "$PY" benchmarks/fp8_curves.py --config configs/parcae-140m.yaml --steps 50 --seq-len 512 --window 10 --tail 10 \
   --runs "${fp8_runs[@]}" --corpus data/sample_corpus --png runs/gpu_check/fp8_loss_140m.png \
   --set train.device=cuda --set train.progress=false --set data.global_batch_size=16 --set data.micro_batch_size=16 \
   || status=$?
-PYTHON=$PY bash scripts/gpu_bench.sh || status=$?
+limit "${LIMIT_BENCH:-}" env PYTHON="$PY" bash scripts/gpu_bench.sh || status=$?
 exit $status

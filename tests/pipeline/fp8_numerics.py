@@ -24,7 +24,8 @@ def nonzero_projections_(model, std: float = 0.02) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("proj.weight"):
-                p.normal_(0, std, generator=torch.Generator().manual_seed(len(name)))
+                g = torch.Generator().manual_seed(len(name))  # drawn on the CPU: the same values on every device
+                p.copy_(torch.randn(p.shape, generator=g).mul_(std))
 
 
 def batch(cfg, rows: int, seq: int, seed: int = 0):
