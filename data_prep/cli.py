@@ -28,13 +28,16 @@ def _add_tokenizer_parser(commands) -> None:
 
 
 def _add_shards_parser(commands) -> None:
-    p = commands.add_parser("shards", help="tokenize and pack a directory of text into webdataset shards",
-                            description="Encode every file (one file = one document, BOS/EOS around each), pack "
-                            "rows of seq_len+1 tokens, write tar shards (one .npy per row) and manifest.json. "
-                            "Under mpirun the ranks share the encoding; the output is identical for any number "
-                            "of workers or ranks.")
-    p.add_argument("--input", required=True, type=LocalPath(),
-                   help="directory of text files (searched recursively)")
+    p = commands.add_parser("shards", help="tokenize and pack text, JSON lines or parquet into webdataset shards",
+                            description="Encode every document (a text file, a JSON line, a parquet row; BOS/EOS "
+                            "around each), pack rows of seq_len+1 tokens, write tar shards (one .npy per row) and "
+                            "manifest.json. JSON lines and parquet (optionally .gz/.zst; parquet read by row group) "
+                            "are prepared in work units: spread over --workers, MPI ranks or --task I/N invocations, "
+                            "resumable (a re-run skips committed units) and byte-identical however the work is split. "
+                            "A text directory is packed as one stream unless --engine units. The output is identical "
+                            "for any number of workers or ranks.")
+    p.add_argument("--input", required=True, type=LocalPath(), nargs="+",
+                   help="text directory, or files, directories and globs of .parquet / .jsonl[.gz|.zst] / text")
     p.add_argument("--tokenizer", required=True, type=LocalPath(),
                    help="tokenizer directory (from `data_prep tokenizer`)")
     p.add_argument("--output", required=True, type=LocalPath("--out"),
@@ -54,11 +57,44 @@ def _add_shards_parser(commands) -> None:
                    help="skip (and count) files with more than this fraction of invalid UTF-8 bytes")
     p.add_argument("--mpi", choices=("auto", "on", "off"), default="auto",
                    help="auto: use MPI when started by mpirun/mpiexec")
+    _add_unit_arguments(p)
     p.add_argument("--overwrite", action="store_true", help="replace shards already in --output")
     p.add_argument("--out", default=None, metavar="URL",
                    help="then upload --output to s3://bucket/prefix (or a directory), the manifest last")
     p.add_argument("--s3-endpoint", default=None, help="an S3-compatible store's URL (default: AWS_ENDPOINT_URL)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _add_unit_arguments(p) -> None:
+    g = p.add_argument_group("work units (parquet, JSON lines; text with --engine units)")
+    g.add_argument("--engine", choices=("auto", "units", "stream"), default="auto",
+                   help="auto: work units for parquet/JSON lines, one stream for a text directory")
+    g.add_argument("--format", choices=("text", "jsonl", "parquet"), default=None,
+                   help="refuse inputs of any other format (default: the one the inputs share)")
+    g.add_argument("--text-field", default="text", help="field/column holding the text (default text)")
+    g.add_argument("--tokens-field", default=None,
+                   help="parquet column of token ids (list of ints): skips the tokenizer's encoding")
+    g.add_argument("--id-field", default=None,
+                   help="field naming each document (its validation split hashes it; default: file and row)")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="pre-tokenized ids must be below this (default: the tokenizer's vocabulary size)")
+    g.add_argument("--min-chars", type=int, default=0, help="skip (and count) documents shorter than this")
+    g.add_argument("--filter", action="append", default=[], metavar="'FIELD>=VALUE'",
+                   help="keep documents whose numeric field passes, e.g. 'int_score>=3' (repeatable)")
+    g.add_argument("--on-bad-record", choices=("error", "skip"), default="error",
+                   help="a JSON line that does not parse or a non-string text: stop (default) or skip and count")
+    g.add_argument("--unit-mb", type=float, default=256.0, help="input megabytes per work unit (default 256)")
+    g.add_argument("--task", default="0/1", metavar="I/N",
+                   help="do units I, I+N, I+2N, ... (0-based; a Slurm array: "
+                   "$SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT); with N > 1 run `data_prep finalize "
+                   "--output OUT` once every task has finished")
+
+
+def _add_finalize_parser(commands) -> None:
+    p = commands.add_parser("finalize", help="write the dataset once every work unit of a prep is committed",
+                            description="Link the committed work units' shards into OUTPUT under global names and "
+                            "write manifest.json last; needed after `shards --task I/N` runs with N > 1.")
+    p.add_argument("--output", required=True, type=LocalPath(), help="the --output of the shards runs")
 
 
 def _add_upload_parser(commands) -> None:
@@ -105,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     _add_tokenizer_parser(commands)
     _add_shards_parser(commands)
+    _add_finalize_parser(commands)
     _add_inspect_parser(commands)
     _add_reindex_parser(commands)
     _add_upload_parser(commands)
@@ -138,6 +175,14 @@ def run_shards(args) -> int:
     comm = world_communicator() if use_mpi else None
     rank = comm.Get_rank() if comm is not None else 0
     workers = args.workers if args.workers is not None else (1 if use_mpi else DEFAULT_LOCAL_WORKERS)
+    if _uses_units(args):
+        from .unit_cli import run_unit_shards
+
+        return run_unit_shards(args, comm, workers)
+    if len(args.input) > 1:
+        raise DataPrepError(f"--input {' '.join(args.input)}: a text prep in one stream takes one directory",
+                            "pass one directory, or --engine units for several inputs")
+    args.input = args.input[0]
     options = ShardOptions(seq_len=args.seq_len, shard_size=args.shard_size, val_fraction=args.val_fraction,
                            keep_last_partial=args.keep_last_partial, glob=args.glob, encoder=args.encoder,
                            max_invalid_fraction=args.max_invalid_fraction, workers=workers,
@@ -168,6 +213,35 @@ def run_shards(args) -> int:
             raise err from None
         if done is not None:
             print(f"uploaded {done['files']} files ({done['bytes'] / 1e6:.1f} MB) to {args.out}, manifest last")
+    return 0
+
+
+UNIT_ONLY = {"format": None, "tokens_field": None, "id_field": None, "vocab_size": None, "min_chars": 0,
+             "filter": [], "on_bad_record": "error", "unit_mb": 256.0, "task": "0/1", "text_field": "text"}
+
+
+def _uses_units(args) -> bool:
+    """Work units unless --engine stream, or (auto) one directory of text files with no unit-only option."""
+    if args.engine != "auto":
+        return args.engine == "units"
+    from pathlib import Path
+
+    from .inputs import detect_format, walk
+
+    if len(args.input) > 1 or not Path(args.input[0]).is_dir():
+        return True
+    if any(getattr(args, name) != default for name, default in UNIT_ONLY.items()):
+        return True
+    return any(detect_format(p.name)[0] != "text" for p in walk(Path(args.input[0]), args.glob))
+
+
+def run_finalize(args) -> int:
+    from .finalize import finalize
+    from .unit_cli import print_unit_summary
+
+    start = time.perf_counter()
+    manifest = finalize(args.output)
+    print_unit_summary(manifest, time.perf_counter() - start, None)
     return 0
 
 
@@ -240,7 +314,7 @@ def run_reindex(args) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"tokenizer": run_tokenizer, "shards": run_shards, "inspect": run_inspect,
+    handler = {"tokenizer": run_tokenizer, "shards": run_shards, "finalize": run_finalize, "inspect": run_inspect,
                "reindex": run_reindex, "upload": run_upload}[args.command]
     try:
         return handler(args)

@@ -68,7 +68,7 @@ def check_content(path: str | os.PathLike, fmt: str, compression: str | None) ->
                             "check the file is a complete parquet file, or rename it")
 
 
-def _walk(root: Path, name_glob: str) -> list[Path]:
+def walk(root: Path, name_glob: str) -> list[Path]:
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
@@ -81,7 +81,7 @@ def _walk(root: Path, name_glob: str) -> list[Path]:
 def _expand(spec: str, name_glob: str) -> list[Path]:
     path = Path(spec)
     if path.is_dir():
-        return _walk(path, name_glob)
+        return walk(path, name_glob)
     if path.is_file():
         return [path]
     if any(ch in spec for ch in "*?["):

@@ -21,6 +21,8 @@ from .errors import CorruptShardError, DataPrepError, TokenizerMismatchError
 MANIFEST_FILE = "manifest.json"
 FORMAT = "megaloop-data_prep-shards"
 FORMAT_VERSION = 2
+UNIT_FORMAT_VERSION = 3  # written over work units: shards may name members from their unit's start (member_first)
+READABLE_VERSIONS = (FORMAT_VERSION, UNIT_FORMAT_VERSION)
 UNINDEXED_VERSION = 1  # the shards are the same; the manifest lacks the member offsets
 
 
@@ -60,8 +62,8 @@ def read_manifest(shard_dir) -> dict:
                             f"run `{reindex_command(shard_dir)}` once (it scans each shard and rewrites the "
                             "manifest), or re-create the shards")
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT \
-            or manifest.get("format_version") != FORMAT_VERSION:
-        raise DataPrepError(f"{path} is not a data_prep manifest of version {FORMAT_VERSION}",
+            or manifest.get("format_version") not in READABLE_VERSIONS:
+        raise DataPrepError(f"{path} is not a data_prep manifest of version {' or '.join(map(str, READABLE_VERSIONS))}",
                             "re-create the shards with this version of data_prep")
     check_manifest_layout(manifest, path)
     return manifest

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from .errors import CorruptShardError, DataPrepError
-from .manifest import (FORMAT, FORMAT_VERSION, MANIFEST_FILE, UNINDEXED_VERSION, corrupt_shard_error,
-                       read_manifest, shard_problem, write_manifest)
+from .manifest import (FORMAT, FORMAT_VERSION, MANIFEST_FILE, READABLE_VERSIONS, UNINDEXED_VERSION,
+                       corrupt_shard_error, read_manifest, shard_problem, write_manifest)
 from .shard_reader import REMEDY
 from .shard_writer import member_layout, member_name, npy_header
 
@@ -66,8 +66,8 @@ def reindex(shard_dir) -> dict:
         version = manifest.get("format_version") if manifest.get("format") == FORMAT else None
     except (OSError, ValueError, AttributeError):
         version = None
-    if version == FORMAT_VERSION:
-        read_manifest(shard_dir)  # a complete version-2 manifest: nothing to do
+    if version in READABLE_VERSIONS:
+        read_manifest(shard_dir)  # a complete version-2 or -3 manifest: nothing to do
         return {"shards": sum(len(s["shards"]) for s in manifest["splits"].values()), "changed": False}
     if version != UNINDEXED_VERSION:
         read_manifest(shard_dir)  # raises the reader's own error (no manifest, not JSON, another format)

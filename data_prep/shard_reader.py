@@ -31,7 +31,7 @@ class ShardIndex:
     """Where each row's array data starts inside one shard file: data_offset + i * stride."""
 
     name: str
-    first_row: int
+    first_row: int  # the number its first member is named by: the manifest's member_first, else its first_row
     rows: int
     data_offset: int
     stride: int
@@ -57,8 +57,14 @@ def manifest_index(path: Path, entry: dict, row_len: int, dtype) -> tuple[ShardI
     if fitting < rows:
         raise CorruptShardError(entry["name"], f"member data runs past the end of the file ({file_size} bytes; "
                                 f"holds {fitting} of the {rows} rows the manifest records: truncated)", REMEDY,
-                                member=member_name(entry["first_row"] + fitting))
-    return ShardIndex(entry["name"], entry["first_row"], rows, offset, stride), header
+                                member=member_name(member_first(entry) + fitting))
+    return ShardIndex(entry["name"], member_first(entry), rows, offset, stride), header
+
+
+def member_first(entry: dict) -> int:
+    """The number a shard's first member is named by: its row in the split (format 2), or in its work unit
+    (format 3's member_first: units are written apart and numbered on only in the manifest)."""
+    return entry.get("member_first", entry["first_row"])
 
 
 def _member_names(first_row: int, rows: int) -> np.ndarray:

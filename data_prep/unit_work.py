@@ -13,6 +13,8 @@ from typing import Callable
 
 import numpy as np
 
+from .filters import skip_reason
+from .manifest import file_sha256
 from .prepare import SPLITS, choose_validation
 from .readers import ReadOptions, open_reader
 from .readers.fields import check_token_ids
@@ -31,13 +33,16 @@ def read_unit_records(unit: WorkUnit, options: ReadOptions):
 
 def write_unit(unit: WorkUnit, out: Path, options: ReadOptions, encode: Callable[[str], np.ndarray] | None,
                specials: tuple[int, int, int], vocab_size: int, seq_len: int, shard_size: int,
-               val_fraction: float, dtype) -> dict:
-    """Write the unit's shards into `out`; returns its summary (rows, tokens, documents, skips, shards per split)."""
+               val_fraction: float, dtype, min_chars: int = 0, filters: tuple = ()) -> dict:
+    """Write the unit's shards into `out`; returns its summary (rows, tokens, documents, skips, shards per split,
+    and the size and sha256 of each input file whose first piece is in this unit)."""
     skipped: Counter = Counter()
     docs = []
     for record in read_unit_records(unit, options):
-        if record.skip_reason:
-            skipped[record.skip_reason] += 1
+        reason = record.skip_reason or skip_reason(record.text if record.tokens is None else None, record.meta,
+                                                   min_chars, filters, record.key)
+        if reason:
+            skipped[reason] += 1
             continue
         if record.tokens is not None:
             check_token_ids(record.tokens, vocab_size, record.key)
@@ -45,9 +50,13 @@ def write_unit(unit: WorkUnit, out: Path, options: ReadOptions, encode: Callable
         else:
             tokens = encode(record.text)
         docs.append((record.key, tokens))
-    val_keys = choose_validation([key for key, _ in docs], val_fraction) if val_fraction > 0 and docs else set()
+    # a unit of one document (a single large text file) holds no validation document: the split needs two
+    val_keys = choose_validation([key for key, _ in docs], val_fraction) if val_fraction > 0 and len(docs) > 1 \
+        else set()
     bos, eos, pad = specials
-    summary = {"documents": len(docs), "skipped_by_reason": dict(sorted(skipped.items())), "splits": {}}
+    summary = {"documents": len(docs), "skipped_by_reason": dict(sorted(skipped.items())), "splits": {},
+               "bytes": unit.size, "inputs": {r.file.name: {"size": r.file.size, "sha256": file_sha256(r.file.location)}
+                                               for r in unit.ranges if r.first == 0}}
     for split in SPLITS:
         packer = RowPacker(seq_len + 1, bos, eos, pad, dtype)
         staging = out / f".{split}"

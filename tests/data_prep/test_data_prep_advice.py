@@ -150,9 +150,9 @@ def test_a_tokenizer_directory_without_a_tokenizer_is_filled_by_the_command_name
     assert main(argv) == 0
 
 
-def test_an_input_that_is_not_a_directory_takes_a_directory_of_text(made, tmp_path, capsys):
+def test_an_input_that_does_not_exist_asks_for_an_existing_one(made, tmp_path, capsys):
     argv = with_option(shards_args(made, tmp_path / "s"), "--input", str(tmp_path / "nope"))
-    assert "pass --input a directory that holds text files" in refused(capsys, argv)
+    assert "pass --input an existing file, directory or glob" in refused(capsys, argv)
     assert main(with_option(argv, "--input", str(made / "corpus"))) == 0
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from data_prep.inputs import InputFile
-from data_prep.unit_store import commit_unit, committed, prep_dir, read_unit, unit_dir, write_plan
+from data_prep.unit_store import (clear_task_tmp, commit_unit, committed, read_unit, task_tmp, unit_dir,
+                                  write_plan)
 from data_prep.units import plan_units
 
 
@@ -41,6 +42,9 @@ def test_a_unit_killed_while_writing_leaves_nothing_committed(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         commit_unit(tmp_path, units[1], crash)
     assert committed(tmp_path, units) == set()
-    assert any((prep_dir(tmp_path) / "tmp").iterdir())
-    write_plan(tmp_path, units, "f")  # the next invocation clears the leftovers
-    assert not (prep_dir(tmp_path) / "tmp").exists()
+    assert not any(task_tmp(tmp_path).iterdir())  # an error removes the unit's half-written folder at once
+    # a SIGKILL cannot: its leftovers are cleared when that task runs again, and only that task's
+    for task in ("0-of-1", "1-of-2"):
+        (task_tmp(tmp_path, task) / "000001-x").mkdir(parents=True)
+    clear_task_tmp(tmp_path, "0-of-1")
+    assert not task_tmp(tmp_path, "0-of-1").exists() and task_tmp(tmp_path, "1-of-2").exists()
