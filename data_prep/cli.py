@@ -36,8 +36,9 @@ def _add_shards_parser(commands) -> None:
                             "resumable (a re-run skips committed units) and byte-identical however the work is split. "
                             "A text directory is packed as one stream unless --engine units. The output is identical "
                             "for any number of workers or ranks.")
-    p.add_argument("--input", required=True, type=LocalPath(), nargs="+",
-                   help="text directory, or files, directories and globs of .parquet / .jsonl[.gz|.zst] / text")
+    p.add_argument("--input", required=True, nargs="+",
+                   help="text directory, or files, directories and globs of .parquet / .jsonl[.gz|.zst] / text, "
+                   "or s3:// / http(s):// URLs of such files")
     p.add_argument("--tokenizer", required=True, type=LocalPath(),
                    help="tokenizer directory (from `data_prep tokenizer`)")
     p.add_argument("--output", required=True, type=LocalPath("--out"),

@@ -90,11 +90,23 @@ def _expand(spec: str, name_glob: str) -> list[Path]:
     raise EmptyCorpusError(f"input {spec} does not exist", "pass --input an existing file, directory or glob")
 
 
-def resolve_inputs(specs: list[str], name_glob: str = "*", fmt: str | None = None) -> list[InputFile]:
-    """Local directories, globs and files -> InputFiles sorted by name (relative to their common parent).
+def resolve_inputs(specs: list[str], name_glob: str = "*", fmt: str | None = None,
+                   s3_endpoint: str | None = None) -> list[InputFile]:
+    """Local directories, globs and files (or s3:// and http(s):// file URLs: data_prep.remote_inputs) ->
+    InputFiles sorted by name (relative to their common parent).
 
     All files must have one format; `fmt`, when given, must be that format. Duplicates are refused.
     """
+    from .stores import is_remote
+
+    remote = [is_remote(s) for s in specs]
+    if any(remote):
+        if not all(remote):
+            raise DataPrepError(f"--input mixes local paths and URLs ({specs})",
+                                "prepare local files and remote ones in separate runs, or copy them to one place")
+        from .remote_inputs import resolve_remote
+
+        return resolve_remote(list(specs), fmt, s3_endpoint)
     paths = [p.resolve() for spec in specs for p in _expand(spec, name_glob)]
     if not paths:
         raise EmptyCorpusError(f"no input file matches {specs} (name glob {name_glob!r})",

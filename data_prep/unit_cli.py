@@ -32,7 +32,8 @@ def unit_options(args, workers: int, comm):
         index, count = comm.Get_rank(), comm.Get_size()
     read = ReadOptions(text_field=args.text_field, tokens_field=args.tokens_field, id_field=args.id_field,
                        meta_fields=tuple(dict.fromkeys(f.field for f in map(parse_filter, args.filter))),
-                       on_bad_record=args.on_bad_record, max_invalid_fraction=args.max_invalid_fraction)
+                       on_bad_record=args.on_bad_record, max_invalid_fraction=args.max_invalid_fraction,
+                       s3_endpoint=args.s3_endpoint)
     return UnitOptions(seq_len=args.seq_len, shard_size=args.shard_size, val_fraction=args.val_fraction,
                        glob=args.glob, format=args.format, read=read, min_chars=args.min_chars,
                        filters=tuple(parse_filter(f) for f in args.filter), vocab_size=args.vocab_size,

@@ -27,6 +27,7 @@ from .filters import FieldFilter
 from .inputs import InputFile, resolve_inputs
 from .manifest import MANIFEST_FILE
 from .readers import ReadOptions, open_reader
+from .stores import is_remote
 from .tokenizer import load_tokenizer
 from .unit_store import clear_task_tmp, commit_unit, committed, prep_dir, write_plan
 from .unit_work import write_unit
@@ -93,11 +94,11 @@ class UnitPlan:
 def plan_job(inputs: list[str], tok, options: UnitOptions) -> UnitPlan:
     """The same plan in every invocation of the same command (see the module docstring)."""
     options.validate()
-    files = resolve_inputs(inputs, options.glob, options.format)
+    files = resolve_inputs(inputs, options.glob, options.format, options.read.s3_endpoint)
     if options.read.tokens_field and files[0].format != "parquet":
         raise DataPrepError(f"--tokens-field needs parquet input; the inputs are {files[0].format}",
                             "pass parquet files with a list-of-ints column, or drop --tokens-field")
-    pieces = [(f, open_reader(f, options.read).pieces()) for f in files]
+    pieces = [(f, [f.size] if is_remote(f.location) else open_reader(f, options.read).pieces()) for f in files]
     fingerprint = options_fingerprint({**options.recorded(), "tokenizer": tok.hash})
     return UnitPlan(files, plan_units(pieces, options.unit_bytes, fingerprint), fingerprint, tok.hash)
 

@@ -18,6 +18,8 @@ from .manifest import file_sha256
 from .prepare import SPLITS, choose_validation
 from .readers import ReadOptions, open_reader
 from .readers.fields import check_token_ids
+from .remote_inputs import local_copy
+from .stores import is_remote
 from .shard_writer import RowPacker, SplitShardWriter, shard_name
 from .units import WorkUnit
 
@@ -26,9 +28,15 @@ def unit_shard_name(split: str, unit: int, number: int) -> str:
     return f"{split}-{unit:06d}-{number:04d}.tar"
 
 
-def read_unit_records(unit: WorkUnit, options: ReadOptions):
+def read_unit_records(unit: WorkUnit, options: ReadOptions, inputs: dict | None = None):
+    """The unit's records, in order; `inputs` gets the size and sha256 of each file whose first piece is here.
+    A remote file (one piece) is read from a downloaded copy, all of it."""
     for piece_range in unit.ranges:
-        yield from open_reader(piece_range.file, options).read(piece_range.first, piece_range.stop)
+        with local_copy(piece_range.file, options.s3_endpoint) as source:
+            if inputs is not None and piece_range.first == 0:
+                inputs[piece_range.file.name] = {"size": piece_range.file.size, "sha256": file_sha256(source.location)}
+            stop = None if is_remote(piece_range.file.location) else piece_range.stop
+            yield from open_reader(source, options).read(piece_range.first, stop)
 
 
 def write_unit(unit: WorkUnit, out: Path, options: ReadOptions, encode: Callable[[str], np.ndarray] | None,
@@ -37,8 +45,8 @@ def write_unit(unit: WorkUnit, out: Path, options: ReadOptions, encode: Callable
     """Write the unit's shards into `out`; returns its summary (rows, tokens, documents, skips, shards per split,
     and the size and sha256 of each input file whose first piece is in this unit)."""
     skipped: Counter = Counter()
-    docs = []
-    for record in read_unit_records(unit, options):
+    docs, inputs = [], {}
+    for record in read_unit_records(unit, options, inputs):
         reason = record.skip_reason or skip_reason(record.text if record.tokens is None else None, record.meta,
                                                    min_chars, filters, record.key)
         if reason:
@@ -55,8 +63,7 @@ def write_unit(unit: WorkUnit, out: Path, options: ReadOptions, encode: Callable
         else set()
     bos, eos, pad = specials
     summary = {"documents": len(docs), "skipped_by_reason": dict(sorted(skipped.items())), "splits": {},
-               "bytes": unit.size, "inputs": {r.file.name: {"size": r.file.size, "sha256": file_sha256(r.file.location)}
-                                               for r in unit.ranges if r.first == 0}}
+               "bytes": unit.size, "inputs": inputs}
     for split in SPLITS:
         packer = RowPacker(seq_len + 1, bos, eos, pad, dtype)
         staging = out / f".{split}"

@@ -17,6 +17,7 @@ class ReadOptions:
     meta_fields: tuple[str, ...] = ()
     on_bad_record: str = "error"  # error | skip
     max_invalid_fraction: float = 0.1
+    s3_endpoint: str | None = None  # remote inputs (execution only: never changes what is read)
 
 
 @dataclass

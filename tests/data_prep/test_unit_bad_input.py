@@ -115,3 +115,25 @@ def test_bad_records_are_skipped_and_counted_on_request(chapters_tokenizer, tmp_
     assert counts["skipped_by_reason"] == {"bad record": 2, "fewer than 150 characters (--min-chars)": short,
                                            "filtered out by int_score>=1": low}
     assert counts["documents_used"] == 12 - 1 - short - low and short > 0 and low > 0
+
+
+@pytest.mark.parametrize("where", ["https", "s3"])
+def test_a_missing_remote_input_is_one_line_exit_2(where, chapters_tokenizer, tmp_path, capsys):
+    from data_prep.local_servers import FileServer, S3Server
+
+    (tmp_path / "served").mkdir()
+    (tmp_path / "served" / "a.jsonl").write_bytes(_jsonl(DOCS))
+    server = FileServer(tmp_path / "served") if where == "https" else S3Server()
+    try:
+        if where == "https":
+            url, extra = f"{server.url}/b.jsonl", []
+        else:
+            url, extra = server.put_dir(tmp_path / "served", "bucket") + "/b.jsonl", ["--s3-endpoint", server.endpoint]
+        code = main(["shards", "--input", url, "--tokenizer", str(chapters_tokenizer.directory), "--output",
+                     str(tmp_path / "out"), "--seq-len", str(SEQ_LEN), "--quiet", *extra])
+    finally:
+        server.down() if where == "https" else server.close()
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert url in err and "no such object" in err and "check the --input URL" in err, err
+    assert not (tmp_path / "out").exists()

@@ -201,3 +201,26 @@ def test_training_reads_parquet_shards_as_text_shards(formats, chapters_tokenize
             "train.progress=false", "train.precision=fp32", "model.ve_gate_channels=16", "checkpoint.every=0"])
         losses[name] = train(cfg).losses
     assert len(losses["text"]) == 20 and losses["parquet"] == losses["text"]  # bitwise: the same floats
+
+
+def test_remote_inputs_give_the_local_shards(formats, chapters_tokenizer, tmp_path):
+    """https:// (JSON lines .zst) and s3:// (parquet) inputs, read through the loader's stores."""
+    from data_prep.local_servers import FileServer, S3Server
+
+    _shards(formats["text"], chapters_tokenizer, tmp_path / "local", "--engine", "units")
+    ref = _shard_bytes(tmp_path / "local")
+    http = FileServer(formats["zst"].parent)
+    s3 = S3Server()
+    try:
+        _shards([f"{http.url}/zst/docs.jsonl.zst"], chapters_tokenizer, tmp_path / "https", "--id-field", "id")
+        url = s3.put_dir(formats["parquet"], "corpora", "fineweb-edu")
+        _shards([f"{url}/000_00000.parquet"], chapters_tokenizer, tmp_path / "s3", "--id-field", "id",
+                "--s3-endpoint", s3.endpoint)
+    finally:
+        http.down()
+        s3.close()
+    assert _shard_bytes(tmp_path / "https") == ref and _shard_bytes(tmp_path / "s3") == ref
+    manifest = json.loads((tmp_path / "s3" / "manifest.json").read_text())
+    local = formats["parquet"] / "000_00000.parquet"
+    assert manifest["inputs"] == [{"name": "000_00000.parquet", "size": local.stat().st_size,
+                                   "sha256": hashlib.sha256(local.read_bytes()).hexdigest()}]
