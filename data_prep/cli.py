@@ -13,16 +13,33 @@ DEFAULT_LOCAL_WORKERS = min(os.cpu_count() or 1, 16)
 
 
 def _add_tokenizer_parser(commands) -> None:
-    p = commands.add_parser("tokenizer", help="train a byte-level BPE tokenizer on a directory of text",
+    p = commands.add_parser("tokenizer", help="train a byte-level BPE tokenizer on text, JSON lines or parquet",
                             description="Train a byte-level BPE (GPT-4-style split, 256-byte alphabet, specials "
-                            "<|bos|> <|eos|> <|pad|>) and save it with its config and content hash.")
-    p.add_argument("--input", required=True, type=LocalPath(),
-                   help="directory of text files (searched recursively)")
+                            "<|bos|> <|eos|> <|pad|>) and save it with its config and content hash. A text "
+                            "directory is read from its first file on (--max-bytes); with --max-chars, or on "
+                            "parquet / JSON lines / URLs, it trains on a deterministic sample drawn across every "
+                            "input and reports bytes per token on held-out documents.")
+    p.add_argument("--input", required=True, nargs="+",
+                   help="directory of text files, or files, directories, globs or s3:// / http(s):// URLs of "
+                   ".parquet / .jsonl[.gz|.zst] / text")
     p.add_argument("--output", required=True, type=LocalPath(), help="directory to write the tokenizer to")
     p.add_argument("--vocab-size", type=int, default=32768, help="vocabulary size incl. specials (default 32768)")
     p.add_argument("--glob", default="*", help="file-name pattern of the documents (default: every file)")
     p.add_argument("--max-bytes", type=int, default=None, help="train on at most this many bytes of text")
     p.add_argument("--min-frequency", type=int, default=0, help="minimum pair count for a merge (default 0)")
+    s = p.add_argument_group("a sample across every input (parquet, JSON lines, URLs; text with --max-chars)")
+    s.add_argument("--max-chars", type=float, default=None,
+                   help="characters to train on, drawn across all inputs (the paper: 2e9; default 2e9 there)")
+    s.add_argument("--held-out-chars", type=float, default=2e6,
+                   help="characters of held-out documents for the bytes-per-token report (default 2e6)")
+    s.add_argument("--format", choices=("text", "jsonl", "parquet"), default=None, help="refuse other formats")
+    s.add_argument("--text-field", default="text", help="field/column holding the text (default text)")
+    s.add_argument("--min-chars", type=int, default=0, help="skip documents shorter than this")
+    s.add_argument("--filter", action="append", default=[], metavar="'FIELD>=VALUE'",
+                   help="keep documents whose numeric field passes (repeatable)")
+    s.add_argument("--on-bad-record", choices=("error", "skip"), default="error",
+                   help="a JSON line that does not parse or a non-string text: stop (default) or skip")
+    s.add_argument("--s3-endpoint", default=None, help="an S3-compatible store's URL (default: AWS_ENDPOINT_URL)")
     p.add_argument("--overwrite", action="store_true", help="replace a tokenizer already in --output")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -149,10 +166,60 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _samples_inputs(args) -> bool:
+    """A sample across the inputs, unless one local directory of text files with none of the sample options."""
+    from pathlib import Path
+
+    from .inputs import detect_format, walk
+
+    if len(args.input) > 1 or not Path(args.input[0]).is_dir() or args.max_chars is not None:
+        return True
+    if args.format or args.text_field != "text" or args.min_chars or args.filter or args.on_bad_record != "error":
+        return True
+    return any(detect_format(p.name)[0] != "text" for p in walk(Path(args.input[0]), args.glob))
+
+
+def _train_on_sample(args):
+    from .filters import parse_filter
+    from .readers import ReadOptions
+    from .tokenizer import check_training_options, train_on_texts
+    from .tokenizer_sample import bytes_per_token, sample_documents
+
+    if args.max_bytes is not None:
+        raise DataPrepError("--max-bytes reads a text directory from its first file; a sample takes --max-chars",
+                            "pass --max-chars instead")
+    max_chars = int(args.max_chars if args.max_chars is not None else 2e9)
+    if max_chars < 1 or args.held_out_chars < 0:
+        raise DataPrepError(f"--max-chars {args.max_chars} / --held-out-chars {args.held_out_chars}",
+                            "pass a positive --max-chars and a --held-out-chars >= 0")
+    check_training_options(args.vocab_size, args.min_frequency, args.output, args.overwrite)
+    filters = tuple(parse_filter(f) for f in args.filter)
+    read = ReadOptions(text_field=args.text_field, meta_fields=tuple(dict.fromkeys(f.field for f in filters)),
+                       on_bad_record=args.on_bad_record, s3_endpoint=args.s3_endpoint)
+    sample = sample_documents(args.input, read, max_chars, int(args.held_out_chars), args.glob, args.format,
+                              args.min_chars, filters, progress=not args.quiet)
+    tok = train_on_texts(sample.texts, sample.summary, args.output, args.vocab_size, args.min_frequency,
+                         progress=not args.quiet)
+    return tok, sample, bytes_per_token(tok, sample.held_out)
+
+
 def run_tokenizer(args) -> int:
     from .tokenizer import SAMPLE_FILE, train_tokenizer
 
     start = time.perf_counter()
+    if _samples_inputs(args):
+        tok, sample, held_bpt = _train_on_sample(args)
+        s = sample.summary
+        print(f"trained in {time.perf_counter() - start:.1f} s on {s['documents']} documents "
+              f"({s['text_chars'] / 1e6:.1f}M characters from {s['pieces_read']} pieces of {s['files']} files), "
+              f"vocab {tok.vocab_size}, skipped {s['skipped']}")
+        print(f"hash {tok.hash}\nencoder {tok.encoder_name}")
+        print(f"bytes per token on {s['held_out_documents']} held-out documents ({s['held_out_chars'] / 1e6:.2f}M "
+              f"characters): {held_bpt:.3f}")
+        return 0
+    if len(args.input) > 1:
+        raise DataPrepError("several --input need a sample", "pass --max-chars")
+    args.input = args.input[0]
     tok = train_tokenizer(args.input, args.output, args.vocab_size, args.glob, args.max_bytes, args.min_frequency,
                           args.overwrite, progress=not args.quiet)
     seconds = time.perf_counter() - start

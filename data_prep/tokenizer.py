@@ -172,8 +172,19 @@ def train_tokenizer(input_dir, output_dir, vocab_size: int = DEFAULT_VOCAB_SIZE,
                     max_bytes: int | None = None, min_frequency: int = 0, overwrite: bool = False,
                     progress: bool = True) -> TrainedTokenizer:
     """Train a byte-level BPE on the documents of `input_dir`, save it to `output_dir` and load it back."""
-    from tokenizers import pre_tokenizers, trainers
+    check_training_options(vocab_size, min_frequency, output_dir, overwrite)
+    if max_bytes is not None and max_bytes < 1:
+        raise TokenizerError(f"--max-bytes must be at least 1, got {max_bytes}",
+                             "pass a positive number of bytes, or leave --max-bytes out to read everything")
+    texts, summary = _read_training_texts(input_dir, glob, max_bytes, progress)
+    if not texts:
+        raise EmptyCorpusError(f"no usable text in {input_dir} (skipped: {summary['skipped']})",
+                               "point --input at a directory of UTF-8 text files")
+    return train_on_texts(texts, summary, output_dir, vocab_size, min_frequency, progress)
 
+
+def check_training_options(vocab_size: int, min_frequency: int, output_dir, overwrite: bool) -> None:
+    """The checks every training does before reading anything."""
     if vocab_size < MIN_VOCAB_SIZE:
         raise TokenizerError(f"vocab size {vocab_size} is below {MIN_VOCAB_SIZE} (256 bytes + 3 specials)",
                              f"pass --vocab-size {MIN_VOCAB_SIZE} or more")
@@ -182,15 +193,15 @@ def train_tokenizer(input_dir, output_dir, vocab_size: int = DEFAULT_VOCAB_SIZE,
                              "pass a --vocab-size such as 32768 (the reference models) or 4096 (parcae-tiny)")
     if min_frequency < 0:
         raise TokenizerError(f"--min-frequency must be >= 0, got {min_frequency}", "pass 0 (the default) or more")
-    if max_bytes is not None and max_bytes < 1:
-        raise TokenizerError(f"--max-bytes must be at least 1, got {max_bytes}",
-                             "pass a positive number of bytes, or leave --max-bytes out to read everything")
+    _check_output_dir(Path(output_dir), overwrite)
+
+
+def train_on_texts(texts: list[str], summary: dict, output_dir, vocab_size: int, min_frequency: int,
+                   progress: bool) -> TrainedTokenizer:
+    """Train on `texts`, save with `summary` as the training corpus record, and load it back."""
+    from tokenizers import pre_tokenizers, trainers
+
     output_dir = Path(output_dir)
-    _check_output_dir(output_dir, overwrite)
-    texts, summary = _read_training_texts(input_dir, glob, max_bytes, progress)
-    if not texts:
-        raise EmptyCorpusError(f"no usable text in {input_dir} (skipped: {summary['skipped']})",
-                               "point --input at a directory of UTF-8 text files")
     output_dir.mkdir(parents=True, exist_ok=True)
     hf = new_byte_level_bpe()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
