@@ -1,5 +1,5 @@
-"""`python -m slurm submit|sweep|preflight`: render a megaloop training job (or an isoFLOP job array, or a preflight
-job checking the cluster's communication paths) as an sbatch script, print it (--dry-run) or submit it and print
+"""`python -m slurm submit|sweep|preflight|prep`: render a megaloop training job (or an isoFLOP job array, a preflight
+job checking the cluster's communication paths, or data preparation as a job array) as an sbatch script, print it (--dry-run) or submit it and print
 the job id. Wrong values end with one line and exit code 2."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from slurm import options, preflight, script, sweep
+from slurm import options, prep, preflight, script, sweep
 from slurm.ask import FlopsError, check, costs
 from slurm.options import OptionError
 from slurm.spec import JobSpec, default_python
@@ -75,6 +75,7 @@ def parser() -> argparse.ArgumentParser:
                                                      "default), config (the config's value) or an integer")
     s.add_argument("--array-parallel", type=int, help="run at most this many tasks at once (--array=0-K%%N)")
     preflight.add_parser(sub)
+    prep.add_parser(sub)
     return ap
 
 
@@ -196,12 +197,25 @@ def _preflight(args, argv: list[str]) -> int:
     return 0
 
 
+def _prep(args, argv: list[str]) -> int:
+    """Render the prep array and its finalize job; print them (--dry-run) or submit both."""
+    job = prep.build(args, argv)
+    if args.dry_run:
+        sys.stdout.write("".join(prep.render(job)))
+        return 0
+    array_id, final_id = prep.submit(job, _sbatch)
+    print(f"{array_id}\n{final_id}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
     try:
         if args.command == "preflight":
             return _preflight(args, argv)
+        if args.command == "prep":
+            return _prep(args, argv)
         spec = build_spec(args, argv)
         if args.command == "sweep":
             add_points(spec, args)

@@ -10,6 +10,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -167,11 +168,13 @@ def test_a_killed_prep_rerun_gives_the_straight_bytes_and_skips_committed_units(
     command = [sys.executable, "-m", "data_prep", "shards", *args, "--output", str(out)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     kills = 0
-    for wait_for in (2, total // 2, total - 3):  # SIGKILL once that many units are committed
+    rng = random.Random(30)  # three random points: after a random number of committed units, plus a random delay
+    for wait_for in sorted(rng.sample(range(1, total - 1), 3)):
         proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 120
         while proc.poll() is None and _committed_units(out) < wait_for and time.monotonic() < deadline:
             time.sleep(0.005)
+        time.sleep(rng.uniform(0, 0.05))  # mid-unit, mostly: a unit takes ~0.05-0.1 s here
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
             kills += 1
