@@ -1,6 +1,6 @@
-"""`python -m slurm submit|sweep|preflight|prep`: render a megaloop training job (or an isoFLOP job array, a preflight
-job checking the cluster's communication paths, or data preparation as a job array) as an sbatch script, print it (--dry-run) or submit it and print
-the job id. Wrong values end with one line and exit code 2."""
+"""`python -m slurm submit|sweep|preflight|prep`: render a megaloop training job (or an isoFLOP job array, a
+preflight job checking the cluster's communication paths, or data preparation as a job array) as an sbatch
+script, print it (--dry-run) or submit it and print the job id. Wrong values end with one line and exit code 2."""
 from __future__ import annotations
 
 import argparse
