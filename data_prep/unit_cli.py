@@ -57,7 +57,7 @@ def run_unit_shards(args, comm, workers: int) -> int:
     try:
         tok = load_job_tokenizer(args.tokenizer, options)
         plan = plan_job(args.input, tok, options)
-        totals = run_units(plan, args.tokenizer, out, options, log=print if options.task_index == 0 else log)
+        totals = run_units(plan, args.tokenizer, out, options, log=print if options.task_index == 0 else log, tok=tok)
     except BaseException as err:  # under MPI every rank learns of a failure before anyone finalizes
         error = err
     if comm is not None and comm.Get_size() > 1:
@@ -102,6 +102,11 @@ def print_unit_summary(manifest: dict, seconds: float, options) -> None:
               f"{info['documents']} documents, {info['dropped_tail_tokens']} tokens dropped at unit ends")
     print(f"documents: {counts['documents_used']} kept, {counts['documents_skipped']} skipped "
           f"{counts['skipped_by_reason']}; {counts['files_listed']} input files in {counts['units']} work units")
+    asked = manifest["parameters"]["val_fraction"]
+    got = manifest["splits"]["val"]["documents"] / max(counts["documents_used"], 1)
+    if asked > 0 and got > 2 * asked:
+        print(f"note: validation holds {got:.1%} of the documents, --val-fraction {asked}: each work unit holds at "
+              f"least one, and these units hold few documents; raise --unit-mb for the asked fraction")
     mb = counts["text_bytes"] / 1e6
     workers = f" ({options.task_count} task(s) x {options.workers} worker(s))" if options is not None else ""
     print(f"{mb:.1f} MB of input in {seconds:.1f} s = {mb / max(seconds, 1e-9):.2f} MB/s{workers}, "

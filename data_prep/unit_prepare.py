@@ -130,8 +130,9 @@ def _run_unit(args) -> dict:
             "tokens": sum(s["stream_tokens"] for s in holder["splits"].values())}
 
 
-def run_units(plan: UnitPlan, tokenizer_dir, out: Path, options: UnitOptions, log=print) -> dict:
-    """Write this task's units that are not committed yet; returns {"done", "skipped", "seconds", "bytes", ...}."""
+def run_units(plan: UnitPlan, tokenizer_dir, out: Path, options: UnitOptions, log=print, tok=None) -> dict:
+    """Write this task's units that are not committed yet; returns {"done", "skipped", "seconds", "bytes", ...}.
+    `tok`: the tokenizer already loaded here, used when the units run in this process."""
     out.mkdir(parents=True, exist_ok=True)
     if (out / MANIFEST_FILE).exists() and not options.overwrite:
         raise DataPrepError(f"{out} already holds a finished dataset ({MANIFEST_FILE})",
@@ -151,7 +152,7 @@ def run_units(plan: UnitPlan, tokenizer_dir, out: Path, options: UnitOptions, lo
     bar = _bar(sum(u.size for u in todo), options.progress)
     jobs = [(u, out, options) for u in todo]
     try:
-        for result in _map(jobs, str(tokenizer_dir), options):
+        for result in _map(jobs, str(tokenizer_dir), options, tok):
             totals["done"] += 1
             for k in ("bytes", "documents", "tokens"):
                 totals[k] += result[k]
@@ -164,9 +165,12 @@ def run_units(plan: UnitPlan, tokenizer_dir, out: Path, options: UnitOptions, lo
     return totals
 
 
-def _map(jobs, tokenizer_dir: str, options: UnitOptions):
+def _map(jobs, tokenizer_dir: str, options: UnitOptions, tok=None):
     if options.workers == 1 or len(jobs) <= 1:
-        _init_worker(tokenizer_dir, options.encoder)
+        if tok is not None:
+            _WORKER["tok"] = tok
+        else:
+            _init_worker(tokenizer_dir, options.encoder)
         yield from map(_run_unit, jobs)
         return
     ctx = multiprocessing.get_context("spawn")

@@ -101,11 +101,17 @@ def test_every_format_gives_the_same_shards(formats, chapters_tokenizer, tmp_pat
         assert _shard_bytes(out) == ref, name
         assert _comparable(out / "manifest.json") == _comparable(outs["text"] / "manifest.json"), name
     manifest = json.loads((outs["parquet"] / "manifest.json").read_text())
+    # no document lost or duplicated: the counts add up to the corpus, token for token
+    docs = _texts(formats["text"])
+    splits = manifest["splits"]
+    assert manifest["counts"]["documents_used"] == splits["train"]["documents"] + splits["val"]["documents"] \
+        == len(docs) and manifest["counts"]["documents_skipped"] == 0
+    assert sum(s["stream_tokens"] for s in splits.values()) == sum(len(chapters_tokenizer.encode(t)) + 2
+                                                                   for _, t in docs)
     assert [i["name"] for i in manifest["inputs"]] == ["000_00000.parquet"]
     assert manifest["inputs"][0]["sha256"] == hashlib.sha256((formats["parquet"] / "000_00000.parquet").read_bytes()
                                                              ).hexdigest()
     # pre-tokenized parquet of the same ids: the same rows, without the tokenizer's encoding
-    docs = _texts(formats["text"])
     ids = pa.table({"id": [n for n, _ in docs],
                     "input_ids": pa.array([chapters_tokenizer.encode(t) for _, t in docs], pa.list_(pa.int32()))})
     (tmp_path / "tokenized").mkdir()
@@ -227,3 +233,10 @@ def test_remote_inputs_give_the_local_shards(formats, chapters_tokenizer, tmp_pa
     local = formats["parquet"] / "000_00000.parquet"
     assert manifest["inputs"] == [{"name": "000_00000.parquet", "size": local.stat().st_size,
                                    "sha256": hashlib.sha256(local.read_bytes()).hexdigest()}]
+
+
+def test_output_is_uploaded_manifest_last(formats, chapters_tokenizer, tmp_path, capsys):
+    _shards(formats["parquet"], chapters_tokenizer, tmp_path / "out", "--id-field", "id", "--out",
+            str(tmp_path / "uploaded"))
+    assert "manifest last" in capsys.readouterr().out
+    assert _files(tmp_path / "uploaded") == _files(tmp_path / "out")
