@@ -20,6 +20,8 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+import sys
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +35,9 @@ _FLASH_MODULES = {"flash3": ("flash_attn_interface", "flash_attn_func", "flash-a
 _PIP = {"flash_attn_interface": "flash-attn-3", "flash_attn": "flash-attn",
         "transformer_engine.pytorch": "transformer-engine"}
 GPU_BACKENDS = ("flash2", "flash3", "te")
+KERNEL_CALLS: Counter = Counter()  # kernel that ran -> calls (eager calls; a compiled graph's are not counted)
+FALLBACKS: Counter = Counter()  # why an auto-chosen kernel could not take a call -> calls that ran sdpa instead
+_NOTED: set = set()
 
 
 class AttentionBackendError(RuntimeError):
@@ -104,11 +109,46 @@ def resolve_attention_backend(backend: str, device: torch.device | str) -> str:
     return backend
 
 
-def set_attention_backend(model: nn.Module, backend: str) -> None:
-    """Give every attention layer of `model` the resolved kernel (see resolve_attention_backend)."""
+def set_attention_backend(model: nn.Module, backend: str, configured: bool = False) -> None:
+    """Give every attention layer of `model` the resolved kernel (see resolve_attention_backend). configured: the
+    kernel was named in model.attention (not chosen by auto), so a call it cannot take is an error."""
     for module in model.modules():
         if isinstance(module, Attention):
-            module.backend = backend
+            module.backend, module.strict = backend, configured
+
+
+def kernel_calls() -> tuple[dict, dict]:
+    """(kernel -> calls, fallback reason -> calls) since the last reset_kernel_calls()."""
+    return dict(KERNEL_CALLS), dict(FALLBACKS)
+
+
+def reset_kernel_calls() -> None:
+    KERNEL_CALLS.clear()
+    FALLBACKS.clear()
+
+
+def _ran(kernel: str) -> None:
+    if not torch.compiler.is_compiling():
+        KERNEL_CALLS[kernel] += 1
+
+
+def _cannot_take(backend: str, q, k, v) -> str | None:
+    """Why a flash or TE kernel cannot take these inputs (they need half-precision CUDA tensors of one dtype)."""
+    dtypes = {q.dtype, k.dtype, v.dtype}
+    if q.is_cuda and len(dtypes) == 1 and q.dtype in (torch.bfloat16, torch.float16):
+        return None
+    got = "/".join(str(t.dtype).removeprefix("torch.") for t in (q, k, v))
+    return f"{backend} takes bf16 or fp16 CUDA tensors of one dtype, this call has q/k/v {got} on {q.device.type}"
+
+
+def _fall_back(backend: str, reason: str) -> None:
+    """auto chose `backend` but this call cannot run it: run sdpa, say so once per reason, count it."""
+    if not torch.compiler.is_compiling():
+        FALLBACKS[reason] += 1
+    if reason not in _NOTED:
+        _NOTED.add(reason)
+        print(f"megaloop: note: attention falls back to sdpa: {reason} (model.attention=auto; counted as "
+              "fallbacks in the run summary)", file=sys.stderr, flush=True)
 
 
 def flash_call(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -132,18 +172,30 @@ def te_call(dpa, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
     return dpa(q.contiguous(), k.contiguous(), v.contiguous()).view(b, s, h, d)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "auto",
+                     strict: bool = False) -> torch.Tensor:
     """q [B, S, H, D], k/v [B, S, Hkv, D] -> [B, S, H, D], causal, scale 1/sqrt(D), with a resolved backend (see
-    resolve_attention_backend). The flash kernels and TE take half-precision CUDA inputs; other inputs (an fp32
-    evaluation on the same model) run SDPA."""
+    resolve_attention_backend). The flash kernels and TE take half-precision CUDA inputs of one dtype. A call they
+    cannot take (an fp32 evaluation of the same model) runs SDPA when auto chose them, noted once per reason and
+    counted; when model.attention named them (strict), it is an AttentionBackendError naming the reason. Every
+    eager call counts the kernel that ran (KERNEL_CALLS)."""
     scale = 1.0 / math.sqrt(q.shape[-1])
-    gpu_ready = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
     if backend == "auto":  # a model built outside the trainer: resolved here (the lookups are cached)
         backend = resolve_attention_backend("auto", q.device)
-    if backend in _FLASH_MODULES and gpu_ready:
-        return flash_call(flash_function(backend), q, k, v, scale)
-    if backend == "te" and gpu_ready:
-        return te_call(_te_attention(q.shape[2], k.shape[2], q.shape[3], scale), q, k, v)
+    if backend in GPU_BACKENDS:
+        reason = _cannot_take(backend, q, k, v)
+        if reason is None and backend in _FLASH_MODULES:
+            _ran(backend)
+            return flash_call(flash_function(backend), q, k, v, scale)
+        if reason is None:
+            _ran(backend)
+            return te_call(_te_attention(q.shape[2], k.shape[2], q.shape[3], scale), q, k, v)
+        if strict:
+            raise AttentionBackendError(f"model.attention={backend} cannot run this call: {reason}; train in bf16 "
+                                        "(train.precision=bf16) or set model.attention=auto (sdpa for such calls)")
+        _fall_back(backend, reason)
+        backend = "sdpa"
+    _ran(backend)
     if k.shape[2] != q.shape[2]:
         rep = q.shape[2] // k.shape[2]
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
@@ -163,7 +215,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
         self.head_dim = d // n_heads
-        self.backend = backend
+        self.backend, self.strict = backend, False  # strict: the kernel was named in model.attention
         self.q = nn.Linear(d, n_heads * self.head_dim, bias=False)
         self.k = nn.Linear(d, n_kv_heads * self.head_dim, bias=False)
         self.v = nn.Linear(d, n_kv_heads * self.head_dim, bias=False)
@@ -178,11 +230,15 @@ class Attention(nn.Module):
         q = self.q(x).view(b, s, -1, self.head_dim)
         k = self.k(x).view(b, s, -1, self.head_dim)
         v = self.v(x).view(b, s, -1, self.head_dim)
+        compute = q.dtype  # the projections' dtype: bf16 under autocast, the parameters' dtype without
         if self.ve_gate is not None and ve is not None:
             gate = 2.0 * torch.sigmoid(self.ve_gate(x[..., : self.ve_gate_channels]))
             v = v + gate.unsqueeze(-1) * ve.view(b, s, -1, self.head_dim)
         cos, sin = rope
         q = rms_norm_weightless(apply_rope_interleaved(q, cos, sin))
         k = rms_norm_weightless(apply_rope_interleaved(k, cos, sin))
-        y = causal_attention(q, k, v, self.backend)
+        # RoPE's fp32 tables, CUDA autocast's fp32 rms_norm and the fp32 value embeddings promote q/k/v; the kernel
+        # takes them in the compute dtype (what autocast gives SDPA anyway), so flash-attn and TE can run
+        q, k, v = q.to(compute), k.to(compute), v.to(compute)
+        y = causal_attention(q, k, v, self.backend, self.strict)
         return self.proj(y.reshape(b, s, -1))

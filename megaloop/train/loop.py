@@ -20,7 +20,7 @@ from megaloop.train.data import open_data
 from megaloop.train.evaluate import default_val_depths, final_val_depths, validation_losses
 from megaloop.train.flops import FlopModel
 from megaloop.train.hardware import bf16_support
-from megaloop.model.attention import resolve_attention_backend
+from megaloop.model.attention import kernel_calls, reset_kernel_calls, resolve_attention_backend
 from megaloop.train.fp8 import with_fp8
 from megaloop.train.peak import (PeakGuard, core_share, cpu_peak, local_processes,
                                   oversubscription_warning)
@@ -57,6 +57,8 @@ class RunSummary:
     precision: str = ""
     precision_why: str = ""
     attention: str = ""  # the attention kernel, as resolved at build (model.attention)
+    attention_calls: dict = field(default_factory=dict)  # kernel -> calls that ran it in this job's first step
+    attention_fallbacks: dict = field(default_factory=dict)  # why auto's kernel could not take a call -> calls
     n_params: int = 0
     is_main: bool = True
     val: dict = field(default_factory=dict)
@@ -170,7 +172,8 @@ def build_model_and_optimizer(cfg: Config, runtime: TrainerRuntime, device: torc
         native_bf16 = bf16_support(device).native
     model = build_model(cfg.model, device="meta").to(param_dtype(precision))
     model.set_execution(cfg.train.activation_checkpointing, cfg.train.compile)
-    set_attention_backend(model, resolve_attention_backend(cfg.model.attention, device))  # once, not per call
+    set_attention_backend(model, resolve_attention_backend(cfg.model.attention, device),  # once, not per call
+                          configured=cfg.model.attention != "auto")
     split = runtime.tp_size > 1 or runtime.pp_size > 1  # the runtime splits the model before it is materialised
     names = runtime.held_parameter_names(model) if split else None
     fill = (held_parameters(cfg.model, cfg.train.seed, device, names, init_split(runtime)) if init else
@@ -275,6 +278,17 @@ def _print_header(cfg: Config, runtime: TrainerRuntime, summary: RunSummary, cho
         print(f"megaloop: warning: {choice.warning}", file=sys.stderr, flush=True)
 
 
+def _note_attention(summary, main: bool) -> None:
+    """The attention kernels that ran in this job's first step (eager calls), into the summary and one line."""
+    summary.attention_calls, summary.attention_fallbacks = kernel_calls()
+    if main:
+        ran = ", ".join(f"{k} {n} calls" for k, n in sorted(summary.attention_calls.items())) or \
+            "not counted (compiled graphs)"
+        fell = f"; fell back to sdpa {sum(summary.attention_fallbacks.values())} times" \
+            if summary.attention_fallbacks else ""
+        print(f"megaloop: attention that ran in step {summary.start_step}: {ran}{fell}", flush=True)
+
+
 def _run_steps(cfg, model, optimizer, sampler, flop_model, data: DataSource, runtime: TrainerRuntime, writer,
                progress, summary, flag, val_depths, ckpt, guard) -> None:
     model.train()
@@ -283,6 +297,7 @@ def _run_steps(cfg, model, optimizer, sampler, flop_model, data: DataSource, run
     spikes = SpikeMonitor(cfg.train, runtime)
     ckpt.track("spike_detector", spikes)  # its window is saved, and restored from the resumed checkpoint
     timer = StepTimer(runtime.device)  # one over the steps: on a GPU each step's times are read at the next
+    reset_kernel_calls()
     for step in range(summary.start_step, cfg.train.steps):
         t0 = time.perf_counter()
         batch = next(batches)
@@ -305,6 +320,7 @@ def _run_steps(cfg, model, optimizer, sampler, flop_model, data: DataSource, run
             writer.write(spike.record(figures.telemetry, cfg.train.on_spike))
         if step == summary.start_step:
             ckpt.prepare(model, optimizer)  # the optimizer state exists now: host buffers for the saves
+            _note_attention(summary, runtime.is_main)
         consecutive_skips = consecutive_skips + 1 if record["skipped"] else 0
         if consecutive_skips >= cfg.train.max_consecutive_skips:
             reduced = cfg.train.precision not in ("fp32", "fp64")  # fp32 is advice only where it is more precise

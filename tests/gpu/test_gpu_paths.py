@@ -1,6 +1,7 @@
 """The GPU-only paths, checked on a CUDA machine by scripts/gpu_check.sh (skipped without a GPU): the trainer on
 CUDA in bf16 (fused AdamW, autocast, depth sampling on the device) with a checkpoint written from GPU tensors through
-pinned host buffers and read back bit for bit, the NCCL backend of the runtime's reductions, and flash-attn against
+pinned host buffers and read back bit for bit, every attention call of its first step run by the resolved kernel
+(flash-attn when installed: counted, no fallback), the NCCL backend of the runtime's reductions, and flash-attn against
 PyTorch's SDPA when flash-attn is installed."""
 from __future__ import annotations
 
@@ -50,6 +51,10 @@ def test_cuda_training_and_checkpoint_round_trip(corpus_shards, tmp_path):
           f"{summary.tokens_per_s:,.0f} tokens/s, MFU {summary.useful_flops / summary.train_time_s / 1e12 / summary.peak_tflops:.2%} "
           f"of {summary.peak_tflops:.1f} TFLOP/s ({summary.peak_source})")
     assert summary.losses[-1] < summary.losses[0] - 0.5
+    # the kernel model.attention=auto resolved (flash-attn when installed) ran every call of the first bf16 step
+    print(f"attention in step 0: resolved {summary.attention}, ran {summary.attention_calls}, fallbacks "
+          f"{summary.attention_fallbacks}")
+    assert list(summary.attention_calls) == [summary.attention] and not summary.attention_fallbacks
     reader = CheckpointReader(find_checkpoints(tmp_path / "checkpoints")[0])
     assert reader.step == 30
     for name, p in runtime.model.named_parameters():
