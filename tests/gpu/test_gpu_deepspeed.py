@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.gpu.gpu_data import novel_shards
+
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 6
@@ -20,17 +22,8 @@ TOL = 1e-5  # relative, per step's loss: fp32 on one GPU, DeepSpeed's flat buffe
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> Path:
-    from data_prep.prepare import ShardOptions, prepare_shards
-    from data_prep.tokenizer import train_tokenizer
-
-    root = tmp_path_factory.mktemp("gpu_ds_data")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    for name in ("Doyle_Lost_1912.txt", "Kipling_Light_1891.txt"):
-        (corpus / name).write_bytes((REPO / "data" / "sample_corpus" / name).read_bytes())
-    train_tokenizer(corpus, root / "tok", vocab_size=512)
-    prepare_shards(corpus, root / "tok", root / "shards", ShardOptions(seq_len=64, val_fraction=0.1, progress=False))
-    return root / "shards"
+    """Vocab 512, rows of 65 tokens: a small fp32 model."""
+    return novel_shards(tmp_path_factory.mktemp("gpu_ds_data"), 512, 64)
 
 
 def test_deepspeed_zero2_on_nccl_equals_single_process(shards, tmp_path):

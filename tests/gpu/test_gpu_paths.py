@@ -16,22 +16,6 @@ pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def corpus_shards(tmp_path_factory) -> Path:
-    """Shards of 129-token rows from two bundled novels (no shared data needed on the GPU machine)."""
-    from data_prep.prepare import ShardOptions, prepare_shards
-    from data_prep.tokenizer import train_tokenizer
-
-    root = tmp_path_factory.mktemp("gpu_data")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    for name in ("Doyle_Lost_1912.txt", "Kipling_Light_1891.txt"):
-        (corpus / name).write_bytes((REPO / "data" / "sample_corpus" / name).read_bytes())
-    train_tokenizer(corpus, root / "tok", vocab_size=4096)
-    prepare_shards(corpus, root / "tok", root / "shards", ShardOptions(seq_len=128, val_fraction=0.1, progress=False))
-    return root / "shards"
-
-
 def test_cuda_training_and_checkpoint_round_trip(corpus_shards, tmp_path):
     from checkpoints.load import CheckpointReader, find_checkpoints
     from megaloop.config import load_config
