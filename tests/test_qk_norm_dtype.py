@@ -19,7 +19,7 @@ def test_bf16_qkv_reach_the_kernel_under_the_cuda_autocast_rule(monkeypatch):
     seen = []
     real_attention = attn_mod.causal_attention
 
-    def counting(q, k, v, backend="auto"):
+    def counting(q, k, v, backend="auto", strict=False):
         seen.append((q.dtype, k.dtype, v.dtype))
         return real_attention(q, k, v, "sdpa")
 
