@@ -46,6 +46,17 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def still_alive(pids: list[int], grace_s: float) -> list[int]:
+    """The pids still alive after up to grace_s: a worker killed by PR_SET_PDEATHSIG when its parent exits gets
+    its SIGKILL asynchronously, and may still be exiting when the parent's exit is seen."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        survivors = [pid for pid in pids if alive(pid)]
+        if not survivors or time.monotonic() >= deadline:
+            return survivors
+        time.sleep(0.05)
+
+
 def run_inner(tmp_path: Path, body: str, method: str, expect_pids: int, timeout_s: int) -> tuple:
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
@@ -65,7 +76,7 @@ def run_inner(tmp_path: Path, body: str, method: str, expect_pids: int, timeout_
         pytest.fail(f"the inner pytest did not exit within 120 s of its {timeout_s} s timeout:\n{out[-3000:]}")
     finally:
         pids = [int(p.read_text()) for p in sorted(pid_dir.glob("*.pid"))]
-        survivors = [pid for pid in pids if alive(pid)]
+        survivors = still_alive(pids, grace_s=5.0)
         for pid in survivors:  # never leave them to the rest of the suite, whatever the verdict
             os.kill(pid, 9)
     assert len(pids) == expect_pids, f"the workers did not all start before the timeout:\n{out[-3000:]}"
