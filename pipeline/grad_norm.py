@@ -27,7 +27,7 @@ def counted_grad_views(buffer, split_names, tp: int, tp_rank: int, exclude=froze
 def reduce_norm_sq(local: torch.Tensor, layout, chunk_group) -> torch.Tensor:
     """The global squared norm (float64 scalar on the CPU, equal on every rank) from this rank's share: summed over
     `chunk_group` (the data-parallel group when the buffer is chunked, else None), tp and pp."""
-    total = local.to(device=layout.device if layout.backend == "nccl" else "cpu", dtype=torch.float64)
+    total = local.to(device=layout.comm_device, dtype=torch.float64)
     for group in (chunk_group, layout.tp_group, layout.pp_group):
         all_reduce_(total, group)
     return total.cpu()

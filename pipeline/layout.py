@@ -20,10 +20,12 @@ import os
 import socket
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Mapping, Sequence
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
+
+from pipeline.groups import GroupStats, create_groups
 
 
 class LayoutError(ValueError):
@@ -230,6 +232,7 @@ class ParallelLayout:
     dp_ranks: tuple[int, ...] = (0,)
     pp_ranks: tuple[int, ...] = (0,)
     embed_ranks: tuple[int, ...] = (0,)
+    group_stats: GroupStats = field(default_factory=GroupStats)  # what creating the groups cost (pipeline.groups)
 
     @property
     def tp_rank(self) -> int:
@@ -248,8 +251,10 @@ class ParallelLayout:
         return rank_coords(self.rank, self.tp, self.dp)[2]
 
     @property
-    def is_distributed(self) -> bool:
-        return self.world_size > 1
+    def comm_device(self) -> torch.device:
+        """Where the tensors of this layout's collectives live: the rank's GPU under NCCL (which takes no CPU
+        tensors), the CPU under gloo (and without a backend)."""
+        return self.device if self.backend == "nccl" else torch.device("cpu")
 
     def describe(self) -> str:
         return (f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp} dp {self.dp_rank}/{self.dp} "
@@ -332,9 +337,8 @@ def warm_up_groups(layout: ParallelLayout) -> None:
     group whose other members are still warming another): NCCL creates a communicator at its first collective."""
     if not dist.is_initialized():
         return
-    device = layout.device if layout.backend == "nccl" else torch.device("cpu")
     for group in layout_groups(layout):
-        dist.all_reduce(torch.zeros(1, device=device), group=group)
+        dist.all_reduce(torch.zeros(1, device=layout.comm_device), group=group)
 
 
 def set_group_timeouts(layout: ParallelLayout, seconds: float) -> bool:
@@ -358,18 +362,20 @@ def _import_dynamo_first() -> None:
 
 
 def _create_groups(rank: int, tp: int, dp: int, pp: int, timeout: timedelta | None = None) -> dict:
-    """new_group for every group of every kind (collective: all ranks create all groups in the same order), with
-    `timeout` (without one torch gives a new group its backend's default, not the world's); keep this rank's.
-    Size-1 groups are not created."""
-    out: dict = {}
+    """Every group of every kind (collective: all ranks create all groups in the same order; a kind's groups are
+    disjoint, so NCCL splits them from the world's communicator at once: pipeline.groups), with `timeout` (without
+    one torch gives a new group its backend's default, not the world's); keep this rank's. Size-1 groups are not
+    created."""
+    out: dict = {"group_stats": GroupStats()}
     for kind, size in (("tp", tp), ("dp", dp), ("pp", pp), ("embed", min(pp, 2))):
-        mine: Sequence[int] = (rank,)
+        groups = group_ranks(tp, dp, pp)[kind]
+        mine = next((tuple(g) for g in groups if rank in g), (rank,))  # the middle stages have no embed group
         handle = None
-        for ranks in group_ranks(tp, dp, pp)[kind]:
-            group = dist.new_group(ranks, timeout=timeout) if size > 1 else None
-            if rank in ranks:
-                mine, handle = ranks, group
-        out[f"{kind}_group"], out[f"{kind}_ranks"] = handle, tuple(mine)
+        if size > 1:
+            made, stats = create_groups([groups], rank, timeout)
+            out["group_stats"].add(stats)
+            handle = made.get(mine)
+        out[f"{kind}_group"], out[f"{kind}_ranks"] = handle, mine
     return out
 
 

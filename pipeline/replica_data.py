@@ -26,7 +26,7 @@ class ReplicaReader:
     def __init__(self, layout):
         self.layout = layout
         self.reads = layout.tp_rank == 0 and layout.pp_rank == 0
-        self.device = layout.device if layout.backend == "nccl" else torch.device("cpu")
+        self.device = layout.comm_device
 
     @property
     def shares(self) -> bool:

@@ -55,6 +55,7 @@ def run_worker(args) -> int:
     say(f"megaloop preflight: {ctx.world} processes on {nodes} node(s), {layout.backend} on "
         f"{torch.cuda.get_device_name(ctx.device) if ctx.on_gpu else 'CPU'}, {ctx.precision} steps; paths: "
         f"{', '.join(args.only)}")
+    say(f"megaloop preflight: process groups: {layout.group_stats.describe()}")
     if ctx.is_main:
         ctx.shards = make_shards(work / "data")
     ctx.barrier()

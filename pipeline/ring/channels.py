@@ -21,13 +21,15 @@ closes a cycle depends on each schedule. With one group per direction no compute
 
 Every wait then points to an event that the generator's timed plan (or any run with asynchronous sends) puts no
 later, so a schedule that runs with asynchronous sends runs under rendezvous: no cycle can pass through a compute
-stream. The cost is two communicators per neighbour pair instead of one per pipeline (NCCL creates them lazily,
-on a group's first operation; each holds its own buffers). One group per ring direction (every rank's "forward"
-messages on one communicator) would not do: a rank's send to its successor and its receive from its predecessor
-would share a stream, and with every rank's stream stuck on its send the ring would hang.
+stream. The cost is two communicators per neighbour pair instead of one per pipeline (each holds its own buffers).
+One group per ring direction (every rank's "forward" messages on one communicator) would not do: a rank's send to
+its successor and its receive from its predecessor would share a stream, and with every rank's stream stuck on its
+send the ring would hang.
 
-`posting="shared"` keeps the earlier executor's way, every message on the pipeline's one group in batches of a
-run of Sends and Recvs (which hangs under rendezvous once a message outgrows the buffers); it exists to show that.
+Creating them: the channels of every pipeline are partitioned into sets of disjoint pairs (at most three
+directions x two parities) and each set is created with one world-wide operation (pipeline.groups: one NCCL
+communicator split, or on gloo one group over the set's ranks, on which each rank talks to its pair's peer only),
+not one per channel: 2 pp x (tp x dp) channels cost a constant number of world-wide operations.
 """
 from __future__ import annotations
 
@@ -37,10 +39,10 @@ from typing import Callable, Optional, Sequence
 
 import torch.distributed as dist
 
+from pipeline.groups import GroupStats, create_groups, partition
 from pipeline.ring.rendezvous import EAGER_BYTES, RendezvousP2P
 
 SEMANTICS = ("auto", "rendezvous")
-POSTINGS = ("directed", "shared")
 
 
 def ring_pairs(pp: int) -> list[tuple[int, int]]:
@@ -51,21 +53,17 @@ def ring_pairs(pp: int) -> list[tuple[int, int]]:
 @dataclass
 class RingChannels:
     """This rank's side of its pipeline's channels: `ranks` the pipeline's global ranks in ring order, `position`
-    this rank's place in it, `groups[(src, dst)]` the group of that channel (ring positions), `shared` the
-    pipeline's group (posting="shared" only), `post` what posts a batch (dist.batch_isend_irecv, or its
-    rendezvous emulation on gloo)."""
+    this rank's place in it, `groups[(src, dst)]` the group of each of this rank's channels (ring positions),
+    `post` what posts a batch (dist.batch_isend_irecv, or its rendezvous emulation on gloo)."""
 
     ranks: tuple[int, ...]
     position: int
     groups: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)
-    posting: str = "directed"
-    shared: Optional[dist.ProcessGroup] = None
     post: Callable[[Sequence[dist.P2POp]], list] = dist.batch_isend_irecv
+    stats: GroupStats = field(default_factory=GroupStats)  # what creating every pipeline's channels cost
 
     def group(self, src: int, dst: int) -> dist.ProcessGroup:
         """The group of channel src -> dst (ring positions)."""
-        if self.posting == "shared":
-            return self.shared
         group = self.groups.get((src, dst))
         if group is None:
             raise ValueError(f"ring positions {src} -> {dst} are not ring neighbours: messages travel only between "
@@ -76,7 +74,7 @@ class RingChannels:
         """Ends the rendezvous emulation's threads (if any) and drops the groups."""
         if isinstance(self.post, RendezvousP2P):
             self.post.close()
-        self.groups, self.shared = {}, None
+        self.groups = {}
 
 
 def emulates(semantics: str, backend: str) -> bool:
@@ -87,23 +85,20 @@ def emulates(semantics: str, backend: str) -> bool:
 
 
 def ring_channels(pp_groups: Sequence[Sequence[int]], rank: int, semantics: str = "auto",
-                  posting: str = "directed", shared: Optional[dist.ProcessGroup] = None,
                   eager_bytes: int = EAGER_BYTES, timeout_s: float = 600.0) -> Optional[RingChannels]:
     """The channels of `rank`'s pipeline, None if `rank` is in none of `pp_groups` (each a pipeline's global ranks in
-    ring order). Collective over the world: every rank calls it with every pipeline, in the same order (posting
-    "directed" creates each pipeline's channel groups with dist.new_group). `shared`: the pipeline's group for
-    posting "shared" (default: the world). `timeout_s`: how long an operation may wait (the groups' timeout and
-    the emulation's)."""
-    if posting not in POSTINGS:
-        raise ValueError(f"posting must be one of {', '.join(POSTINGS)}, got {posting!r}")
+    ring order). Collective over the world: every rank calls it with every pipeline, in the same order (it
+    creates the channel groups, see the module docstring); the channels hold only this rank's own. `timeout_s`:
+    how long an operation may wait (the groups' timeout and the emulation's)."""
     emulate = emulates(semantics, dist.get_backend())
+    channels = [(ranks[s], ranks[d]) for ranks in pp_groups for s, d in ring_pairs(len(ranks))]
+    made, stats = create_groups(partition(channels), rank, datetime.timedelta(seconds=timeout_s), p2p=True)
     mine = None
     for ranks in pp_groups:
-        pairs = ring_pairs(len(ranks)) if posting == "directed" else []
-        groups = {(s, d): dist.new_group([ranks[s], ranks[d]], timeout=datetime.timedelta(seconds=timeout_s))
-                  for s, d in pairs}
         if rank in ranks:
-            mine = RingChannels(tuple(ranks), list(ranks).index(rank), groups, posting, shared)
+            groups = {(s, d): made[(ranks[s], ranks[d])] for s, d in ring_pairs(len(ranks))
+                      if rank in (ranks[s], ranks[d])}
+            mine = RingChannels(tuple(ranks), list(ranks).index(rank), groups, stats=stats)
     if mine is not None and emulate:
         mine.post = RendezvousP2P(eager_bytes, timeout_s)
     return mine

@@ -15,8 +15,9 @@ schedule over the same actions) made for this rank, in order:
   names. Without it, gloo aborts the process on a size mismatch ("Received data size doesn't match expected
   size") and a swapped message of the same shape goes unnoticed: check new schedules and programs with
   `check_messages=True`. A peer that never sends fails at the process group's timeout instead of hanging; the
-  error says which Recv waited. Channels with posting "shared" keep the earlier way (every message on the
-  pipeline's one group, a run of Sends and Recvs in one batch), which hangs under rendezvous semantics.
+  error says which Recv waited. (The earlier posting, every message on the pipeline's one group and a run of Sends
+  and Recvs in one batch, hangs under rendezvous semantics; tests/pipeline/shared_posting.py keeps it to show
+  that.)
 - Forward with grad=False runs under `torch.no_grad` and stores nothing; with grad=True its input is a leaf that
   requires grad (except the state entering a micro-batch's first kept lap, whose gradient truncated backprop drops)
   and input and output are stored until its Backward, which calls `torch.autograd.backward(output, gradient)` and
@@ -155,8 +156,6 @@ class RingExecutor:
     def _communicate(self, batch: Sequence[Action]) -> None:
         """One run of Sends and Recvs: each channel's Sends posted and left in flight, then each channel's Recvs
         posted and waited for (see the module docstring)."""
-        if self.channels.posting == "shared":
-            return self._communicate_shared(batch)
         sends: dict[int, tuple[list[dist.P2POp], list[torch.Tensor]]] = {}
         for action in batch:
             if isinstance(action, Send):
@@ -186,35 +185,6 @@ class RingExecutor:
         for work in works:
             self._wait(work, batch)
         self.result.posts.append((start, posted, time.perf_counter()))
-
-    def _communicate_shared(self, batch: Sequence[Action]) -> None:
-        """The earlier posting (channels with posting "shared"): the whole run in one batch on the pipeline's
-        group, waiting for the receives (and, where the batch has one Work, its sends)."""
-        kept: list[torch.Tensor] = []
-        ops = [op for action in batch if isinstance(action, Send) for op in self._send_ops(action, kept)]
-        recvs = [action for action in batch if isinstance(action, Recv)]
-        if self.check_messages:  # sends in flight first, then each receive's header checked before its payload
-            self._post_shared(ops, kept, batch)
-            for action in recvs:
-                posted = time.perf_counter()
-                self._post_shared([self._recv_op(action, check=True)], [], batch)
-                self.result.recvs.append((action.message, posted, time.perf_counter()))
-            return
-        posted = time.perf_counter()
-        self._post_shared(ops + [self._recv_op(action) for action in recvs], kept, batch)
-        self.result.recvs += [(action.message, posted, time.perf_counter()) for action in recvs]
-
-    def _post_shared(self, ops: list[dist.P2POp], kept: list[torch.Tensor], batch: Sequence[Action]) -> None:
-        if not ops:
-            return
-        start = time.perf_counter()
-        works = self.channels.post(ops)
-        if len(works) == len(ops):  # one work per op (gloo): wait for the receives only, sends stay in flight
-            self.sends.append(([w for w, op in zip(works, ops) if op.op is dist.isend], kept))
-            works = [w for w, op in zip(works, ops) if op.op is dist.irecv]
-        else:  # one work for the whole batch (NCCL, or its emulation)
-            self.sends.append(([], kept))
-        self._wait_all(works, batch, start)
 
     def _send_ops(self, action: Send, kept: list) -> list[dist.P2POp]:
         producer = action.message.producer

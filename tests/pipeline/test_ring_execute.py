@@ -21,6 +21,7 @@ from pipeline.ring import MicroBatch, ring_schedule, simulate
 from pipeline.ring.actions import Recv, Send
 from pipeline.ring.channels import ring_channels
 from pipeline.ring.execute import RingExecutor
+from tests.pipeline.shared_posting import SharedPostingExecutor, shared_channels
 from tests.pipeline.spawn import spawn
 
 VOCAB, WIDTH, SEQ, LAYERS = 11, 6, 3, 4
@@ -132,11 +133,12 @@ def reference(specs, program=ToyProgram):
     return torch.stack(losses), {n: p.grad for n, p in model.named_parameters()}
 
 
-def run_rank(rank, pp, specs, channels, check_messages=False, actions=None, program=ToyProgram):
+def run_rank(rank, pp, specs, channels, check_messages=False, actions=None, program=ToyProgram,
+             executor_class=RingExecutor):
     model = ToyLoop().double()
     program = program(model, rank, pp, len(specs), batches_for(program, len(specs)))
     actions = ring_schedule(specs, pp, max_in_flight=2)[rank] if actions is None else actions
-    executor = RingExecutor(program, dtype=torch.float64, check_messages=check_messages, channels=channels)
+    executor = executor_class(program, dtype=torch.float64, check_messages=check_messages, channels=channels)
     result = executor.run(actions, specs)
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     return result, grads
@@ -201,8 +203,10 @@ def bad_worker(rank, world, mode, out):
     'shared': the earlier posting (every message on one group, a run of Sends and Recvs in one batch), which hangs
     under rendezvous semantics until the process group's timeout. All under rendezvous semantics."""
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=5))
-    posting = "shared" if mode == "shared" else "directed"
-    channels = ring_channels([list(range(world))], rank, "rendezvous", posting=posting, timeout_s=5)
+    if mode == "shared":
+        channels = shared_channels(list(range(world)), rank, "rendezvous", timeout_s=5)
+    else:
+        channels = ring_channels([list(range(world))], rank, "rendezvous", timeout_s=5)
     specs = SPECS if mode == "shared" else [MicroBatch(2, 1), MicroBatch(3, 1)]  # SPECS: simulate(p2p="shared") hangs
     actions = list(ring_schedule(specs, world, max_in_flight=2)[rank])
     if mode == "order" and rank == 1:
@@ -213,7 +217,7 @@ def bad_worker(rank, world, mode, out):
     program = WrongShape if mode == "shape" and rank == 1 else ToyProgram
     try:
         run_rank(rank, world, specs, channels, check_messages=mode not in ("missing", "shared"), actions=actions,
-                 program=program)
+                 program=program, executor_class=SharedPostingExecutor if mode == "shared" else RingExecutor)
     except Exception as err:  # noqa: BLE001  (the message is what the test checks)
         torch.save(f"{type(err).__name__}: {err}", f"{out}.{rank}")
         return
