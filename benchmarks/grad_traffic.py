@@ -120,7 +120,8 @@ def measure_step(dp: int, wire: str, zero_stage: int = 1) -> dict:
         grads = sum(p.numel() for p in model.parameters() if p.requires_grad)
         return {"dp": n, "wire": wire, "bytes": counter.total(), "by_op": dict(counter.bytes),
                 "calls": dict(counter.calls), "ddp_bytes": 2 * (n - 1) / n * 4 * grads, "params": grads,
-                "padded": runtime.buffer.numel(), "grad_norm": record.grad_norm, "update": update,
+                "padded": runtime.buffer.numel(), "groups": len(runtime.buffer.groups),
+                "grad_norm": record.grad_norm, "update": update,
                 "replicas_identical": all(r == replicas[0] for r in replicas)}
     finally:
         runtime.reducer.remove_hooks()  # not close(): the next measurement reuses this torch.distributed world

@@ -2,8 +2,9 @@
 
 The planner's "cpu" device: the peak is this machine's cached fp32 matmul rate on one thread (`python -m megaloop
 peak`, measured now when missing) at the efficiency given by --mfu, and the link is gloo on localhost as measured
-here first by a probe of two processes: each collective kind (all-reduce, all-gather, reduce-scatter) timed at 64 KiB,
-1 MiB and 16 MiB and fitted on its own to latency + bytes / bandwidth per ring step. gloo's collectives are not all
+here first by a probe of two processes: each collective kind (all-reduce, all-gather, reduce-scatter, and the
+all-to-all of the bf16 gradient reduction) timed at 64 KiB, 1 MiB and 16 MiB and fitted on its own to latency +
+bytes / bandwidth per ring step. gloo's collectives are not all
 bandwidth-optimal rings (its reduce-scatter costs about an all-reduce), and on a CPU they share the cores with the
 compute, so the probe calls them as a step does: between a few milliseconds of matmul, without a barrier, and keeps
 the mean (about twice the cost of back-to-back calls after a barrier). A tp layout makes hundreds of ~1 MiB calls a
@@ -69,7 +70,8 @@ def _probe_rank(rank: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     calls = {"all_reduce": lambda full, half: dist.all_reduce(full),
              "all_gather": lambda full, half: dist.all_gather_single(full, half),
-             "reduce_scatter": lambda full, half: dist.reduce_scatter_single(half, full)}
+             "reduce_scatter": lambda full, half: dist.reduce_scatter_single(half, full),
+             "all_to_all": lambda full, half: dist.all_to_all_single(torch.empty_like(full), full)}
     a, b = torch.randn(512, 512), torch.randn(512, 512)
     result = {}
     for kind, call in calls.items():
@@ -182,9 +184,9 @@ def predict(world: int, overrides: list[str], mfu: float, link, peak_tflops: flo
     from megaloop.plan.time_model import device_for
 
     cfg = load_config(REPO / CONFIG, MODEL + overrides, world_size=world)
-    # the runtime today: fixed 25 MiB buckets, the all-gather after the optimizer step
+    # the runtime's buckets (the config's parallel.grad_buckets and bucket size), the all-gather behind the forward
     planner = Planner(job_gpu("cpu"), world, device_for("cpu", "fp32", mfu, peak_tflops), Cluster(world, link, link),
-                      DpComm("fixed", False), None)
+                      DpComm(), None)
     return planner.estimate(cfg).time
 
 

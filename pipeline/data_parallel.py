@@ -11,16 +11,20 @@ Two modes, chosen by the buffer's chunking:
 collective; in reduce-scatter mode each rank receives every rank's bf16 piece of its chunk (one all-to-all, the
 same bytes as a ring reduce-scatter) and adds them up in the gradient's own dtype, in rank order.
 
-Buckets are column ranges of the [dp, chunk_len] view of a dtype's buffer, so every bucket is a collective of the
-same size on every rank. A looped model reuses its core weights a different number of times in every step (and on
-every rank), so nothing assumes a static graph: autograd sums every use of a weight into its .grad, and a bucket is
-reduced once the step's last backward has produced all of its gradients. By default everything is reduced after
-that backward (:meth:`BufferReducer.reduce`); optionally (:meth:`overlap_next_backward`, called just before the last
-micro-batch's backward) a bucket is launched as soon as all of its parameters' post-accumulate-grad hooks have fired
-(once per parameter per backward, after every use is summed), strictly in bucket order, so every rank issues the
-same collectives in the same order whatever order its own graph finished them in. A parameter that got no gradient
-in that backward simply leaves its bucket to :meth:`reduce`. The sum (not the mean) is taken: the trainer divides
-each rank's loss by the global token count, so the sum over ranks is the gradient of the global token mean.
+Buckets are column ranges of the [dp, chunk_len] view of a group of the buffer, so every bucket is a collective of
+the same size on every rank, taken group after group: first the main groups, whose columns follow the order in
+which backward completes the gradients (pipeline/grad_buffer.py), so the first columns are final first; then the
+groups of the embedding lookups, whose gradients are final only at the end of backward. A looped model reuses its
+core weights a different number of times in every step (and on every rank), so nothing assumes a static graph:
+autograd sums every use of a weight into its .grad, and a bucket is reduced once the step's last backward has
+produced all of its gradients. By default everything is reduced after that backward (:meth:`BufferReducer.reduce`);
+with :meth:`overlap_next_backward`, called just before the last micro-batch's backward, a bucket is launched as soon
+as all of its parameters' post-accumulate-grad hooks have fired (once per parameter per backward, after every use is
+summed), strictly in bucket order, so every rank issues the same collectives in the same order whatever order its
+own graph finished them in. A parameter that got no gradient in that backward simply leaves its bucket to
+:meth:`reduce`. :attr:`BufferReducer.last_overlap` says how many gradient bytes the last reduction launched while
+backward still had gradients to finish. The sum (not the mean) is taken: the trainer divides each rank's loss by
+the global token count, so the sum over ranks is the gradient of the global token mean.
 
 Bucket size: `bucket_elements` over all chunks, by default max(40M, 1M x dp) elements (:func:`default_bucket_elements`):
 fixed-size buckets would make the per-rank piece of each collective shrink as 1/dp until the calls are
@@ -62,7 +66,7 @@ class _Bucket:
 
 def _columns(group: FlatGroup, index: int) -> list[tuple[int, int]]:
     """Column ranges (within a chunk) covered by parameter `index`, one per chunk it touches."""
-    off, n, length = group.offsets[index], group.params[index].numel(), group.chunk_len
+    off, n, length = group.offsets[index], group.numels[index], group.chunk_len
     return [(max(off, r * length) - r * length, min(off + n, (r + 1) * length) - r * length)
             for r in range(off // length, (off + n - 1) // length + 1)]
 
@@ -87,19 +91,37 @@ def column_width(group: FlatGroup, bucket_elements: int) -> int:
     return bucket_columns(group.chunk_len, group.dp, bucket_elements)
 
 
+def bucket_members(group, bucket_elements: int) -> list[tuple[int, int, set[int]]]:
+    """(lo, hi, indices of the group's parameters with elements in columns [lo, hi)) of every bucket of a group
+    (a FlatGroup or a planner's GroupLayout: offsets, numels, chunk_len, dp), in column order."""
+    width = column_width(group, bucket_elements)
+    out = [(lo, min(lo + width, group.chunk_len), set()) for lo in range(0, group.chunk_len, width)]
+    for index in range(len(group.offsets)):
+        if group.numels[index] == 0:
+            continue
+        for a, b in _columns(group, index):
+            for k in range(a // width, (b - 1) // width + 1):
+                out[k][2].add(index)
+    return out
+
+
 def make_buckets(buffer: GradBuffer, bucket_elements: int) -> list[_Bucket]:
-    """Column-range buckets of about bucket_elements each (over all chunks), per dtype group."""
-    buckets = []
-    for group in buffer.groups:
-        width = column_width(group, bucket_elements)
-        first = len(buckets)
-        buckets += [_Bucket(group, lo, min(lo + width, group.chunk_len))
-                    for lo in range(0, group.chunk_len, width)]
-        for index, p in enumerate(group.params):
-            for a, b in _columns(group, index):
-                for k in range(a // width, (b - 1) // width + 1):
-                    buckets[first + k].members.add(id(p))
-    return buckets
+    """Column-range buckets of about bucket_elements each (over all chunks), group after group."""
+    return [_Bucket(group, lo, hi, {id(group.params[i]) for i in members})
+            for group in buffer.groups for lo, hi, members in bucket_members(group, bucket_elements)]
+
+
+@dataclass(frozen=True)
+class OverlapStats:
+    """The last reduction's gradient bytes (over all chunks) and how many of them were launched while backward
+    still had gradients to finish (before the last post-accumulate-grad hook of that backward)."""
+
+    total_bytes: int = 0
+    early_bytes: int = 0
+
+    @property
+    def early_fraction(self) -> float:
+        return self.early_bytes / self.total_bytes if self.total_bytes else 0.0
 
 
 class BufferReducer:
@@ -128,6 +150,9 @@ class BufferReducer:
         self._next_launch = 0
         self._next_finish = 0  # buckets before it are finished (launched ones from it to _next_launch are not)
         self.launched_in_backward = 0  # buckets of the last step launched while the backward was still running
+        self.last_overlap = OverlapStats()  # of the last reduce()
+        self._fired = 0  # post-accumulate-grad hooks fired in the armed backward
+        self._marks: list[tuple[_Bucket, int]] = []  # (bucket, hooks fired when it was launched) in that backward
         self._hooks = []
         if group is not None:
             self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in buffer.params]
@@ -145,12 +170,14 @@ class BufferReducer:
         self._reset()
         self._armed = True
         self.launched_in_backward = 0
+        self._fired, self._marks = 0, []
         for b in self.buckets:
             b.pending = len(b.members)
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if not self._armed:
             return
+        self._fired += 1
         for bucket in self._buckets_of[id(param)]:
             if bucket.work is not None:
                 raise RuntimeError("a gradient changed after its bucket was reduced: overlap_next_backward() "
@@ -165,6 +192,7 @@ class BufferReducer:
                 self._finish(self.buckets[self._next_finish])
                 self._next_finish += 1
             self._launch(self.buckets[self._next_launch])
+            self._marks.append((self.buckets[self._next_launch], self._fired))
             self._next_launch += 1
             self.launched_in_backward += 1
 
@@ -211,7 +239,15 @@ class BufferReducer:
         for bucket in self.buckets[self._next_launch:]:
             self._launch(bucket)
             self._finish(bucket)
+        self.last_overlap = OverlapStats(sum(self.bucket_bytes(b) for b in self.buckets),
+                                         sum(self.bucket_bytes(b) for b, fired in self._marks if fired < self._fired))
+        self._marks = []
         self._reset()
+
+    def bucket_bytes(self, bucket: _Bucket) -> int:
+        """Gradient bytes of a bucket over all chunks (its columns of every chunk)."""
+        g = bucket.group
+        return (bucket.hi - bucket.lo) * g.dp * g.grad_flat.element_size()
 
     def check_grad_views(self) -> None:
         """Raise if a parameter's .grad is no longer its view of the buffer (one data_ptr check each)."""

@@ -4,8 +4,9 @@ The combined optimizer (megaloop) keeps the schedules, clipping, skipping and st
 what depends on the layout:
 
 - :meth:`OptimizerParts.build` makes the distributed Muon and the ZeRO AdamW for the two parameter groups, lays out
-  the :class:`GradBuffer` (each Muon matrix in its owner's chunk, AdamW elements filling the chunks evenly) and hands
-  it to the runtime's reducer (reduce-scatter under ZeRO-1 with dp > 1, all-reduce under stage 0);
+  the :class:`GradBuffer` (in the order backward finishes the gradients: each Muon matrix whole in its owner's
+  chunk, the embeddings in groups of their own; pipeline/grad_buffer.py) and hands it to the runtime's reducer
+  (reduce-scatter under ZeRO-1 with dp > 1, all-reduce under stage 0);
 - :meth:`grads_to_clip` gives the gradient pieces this rank holds summed (its chunk) and :meth:`norm_sq_reduce`
   turns their sum of squares into the global one: one scalar all-reduce over dp, then tp and pp, with parameters
   replicated over tp counted on tp rank 0 only;
@@ -56,7 +57,8 @@ class OptimizerParts:
                                    dp_sharded=self.sharded, **muon_hyper)
         owners = {n: muon.dp_owner(i) for i, n in enumerate(muon.names)} if muon is not None and self.sharded else {}
         dp, rank = (layout.dp, layout.dp_rank) if self.sharded else (1, 0)
-        self.buffer = GradBuffer(list(muon_named) + list(adamw_named), dp, rank, owners)
+        named, late = rt.gradient_order(list(muon_named) + list(adamw_named))
+        self.buffer = GradBuffer(named, dp, rank, owners, late, rt.grad_buckets)
         rt.use_buffer(self.buffer)
         if self.sharded:
             reducer = rt.reducer

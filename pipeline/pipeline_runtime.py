@@ -35,6 +35,7 @@ from pipeline.model_view import ModelView
 from pipeline.parallel_lm import ParallelLM
 from pipeline.ring import MicroBatch, chain, rank_of, ring_schedule, with_p2p
 from pipeline.ring.actions import Backward, Embed, EmbedBackward, Forward, Loss, LossBackward
+from pipeline.groups import GroupStats
 from pipeline.layout import group_ranks
 from pipeline.ring.channels import ring_channels
 from pipeline.ring.execute import RingExecutor
@@ -91,11 +92,12 @@ def forward_orders(specs, pp: int) -> list[list]:
 SCHEDULES_KEPT = 16  # ring schedules kept by their micro-batch specs (the loader prefetches a few steps ahead)
 
 
-def one_autocast_region(device: torch.device):
-    """One autocast region around a ring run. The stage program enters autocast for each of its actions; nested in
-    this region, leaving one does not end the region, and autocast keeps the low-precision copy of each weight it
-    casts until the outermost region ends: a weight is cast once per run instead of once per lap and micro-batch.
-    Autocast is off in the region itself, so the executor's backward calls run as they would outside autocast."""
+def autocast_cache_region(device: torch.device):
+    """A region around a ring run that keeps autocast's weight casts, not one that autocasts: autocast is OFF in
+    it (the executor's backward calls run as they would outside autocast). The stage program enters autocast for
+    each of its actions; nested in this region, leaving one does not end the region, and autocast keeps the
+    low-precision copy of each weight it casts until the outermost region ends: a weight is cast once per run
+    instead of once per lap and micro-batch."""
     return torch.autocast(torch.device(device).type, enabled=False)
 
 
@@ -115,9 +117,10 @@ class PipelineRuntime(ParallelRuntime):
     def __init__(self, layout, tp_plan, muon_functions, stage_functions: StageFunctions, zero_stage: int = 1,
                  grad_reduce_dtype: str = "fp32", in_flight: int = 3, check_messages: bool = False,
                  p2p_semantics: str = "auto", timeout_s: float = 600.0, bucket_elements: int | None = None,
-                 overlap_param_gather: bool = True):
+                 overlap_param_gather: bool = True, grad_buckets: str = "backward"):
         super().__init__(layout, tp_plan, muon_functions, zero_stage=zero_stage, bucket_elements=bucket_elements,
-                         grad_reduce_dtype=grad_reduce_dtype, overlap_param_gather=overlap_param_gather)
+                         grad_reduce_dtype=grad_reduce_dtype, overlap_param_gather=overlap_param_gather,
+                         grad_buckets=grad_buckets)
         self.stage_functions = stage_functions
         self.in_flight = in_flight
         self.check_messages = check_messages
@@ -155,7 +158,7 @@ class PipelineRuntime(ParallelRuntime):
         if missing:
             raise RuntimeError(f"stage {self.stage} holds parameters still on the meta device: {missing[:3]}; "
                                "materialise them (megaloop.train.build.held_parameters with the held names)")
-        self.defer_buffer(stage.named_parameters()[::-1])  # laid out when needed (ParallelRuntime.defer_buffer)
+        self.defer_buffer(stage.named_parameters())  # laid out when needed (ParallelRuntime.defer_buffer)
         return stage
 
     def uncounted_names(self) -> set[str]:
@@ -176,7 +179,7 @@ class PipelineRuntime(ParallelRuntime):
         program = self._program(model, micro_batches, scales, autocast)
         specs = [MicroBatch(**spec) for spec in program.specs()]
         actions = self._schedule(specs, ahead=False)
-        with one_autocast_region(self.device):
+        with autocast_cache_region(self.device):
             ran = self._executor(program).run(actions, specs)
         t1 = timer.mark()
         if getattr(timer, "cuda", True) or ran is None:  # device work is asynchronous: the run as a whole
@@ -231,7 +234,7 @@ class PipelineRuntime(ParallelRuntime):
             group = list(micro_batches[lo:lo + self.pp])
             program = self._program(model, group, [1.0] * len(group), autocast)
             specs = [MicroBatch(**spec | {"grad_laps": 1}) for spec in program.specs()]
-            with one_autocast_region(self.device):
+            with autocast_cache_region(self.device):
                 self._executor(program).run(with_p2p(forward_orders(specs, self.pp), specs)[self.stage], specs)
             if self.stage == self.pp - 1:
                 losses[lo:lo + len(group)] = torch.stack([program.losses[mb] for mb in range(len(group))]).cpu()
@@ -267,3 +270,11 @@ class PipelineRuntime(ParallelRuntime):
 
     def describe_layout(self) -> dict:
         return super().describe_layout() | {"pp_in_flight": self.in_flight}
+
+    def group_stats(self):
+        """The layout's groups and every pipeline's ring channels (pipeline.groups)."""
+        stats = GroupStats()
+        stats.add(self.layout.group_stats)
+        if self.channels is not None:
+            stats.add(self.channels.stats)
+        return stats

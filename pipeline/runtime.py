@@ -26,7 +26,8 @@ import torch.distributed as dist
 from pipeline.collectives import all_reduce_
 from pipeline.data_parallel import BufferReducer
 from pipeline.dist_muon import MuonFunctions
-from pipeline.grad_buffer import GradBuffer, flat_all_reduce_
+from pipeline.grad_buffer import GradBuffer, flat_all_reduce_, gradient_order
+from pipeline.groups import GroupStats
 from pipeline.layout import ParallelLayout, destroy_layout
 from pipeline.micro_batches import plain_forward_losses, run_micro_batches
 from pipeline.optimizer_parts import OptimizerParts
@@ -43,7 +44,7 @@ class ParallelRuntime:
 
     def __init__(self, layout: ParallelLayout, tp_plan, muon_functions: MuonFunctions | None = None,
                  zero_stage: int = 1, bucket_elements: int | None = None, grad_reduce_dtype: str = "fp32",
-                 overlap_param_gather: bool = True):
+                 overlap_param_gather: bool = True, grad_buckets: str = "backward"):
         if layout.pp > 1 and not self.runs_pipeline:
             raise ValueError("a layout with pp > 1 runs on pipeline.pipeline_runtime.PipelineRuntime")
         if zero_stage not in (0, 1):
@@ -56,11 +57,13 @@ class ParallelRuntime:
         self.bucket_elements = bucket_elements  # None: max(40M, 1M x dp) (pipeline.data_parallel)
         self.overlap_param_gather = overlap_param_gather
         self.grad_reduce_dtype = grad_reduce_dtype
+        self.grad_buckets = grad_buckets  # the gradient buffer's layout (pipeline.grad_buffer.LAYOUTS)
         self.model: torch.nn.Module | None = None
         self.tp_info = TensorParallelInfo()
         self._buffer: GradBuffer | None = None
         self._reducer: BufferReducer | None = None
         self._deferred: list | None = None  # (name, parameter) of the plain buffer not laid out yet
+        self._deferred_late: set[str] = set()
         self._parts: OptimizerParts | None = None
 
     # ---- identity of this rank ------------------------------------------------------------------------------
@@ -98,16 +101,25 @@ class ParallelRuntime:
             self.tp_info = TensorParallelInfo(replicated=[n for n, _ in model.named_parameters()])
         if materialize is not None:
             materialize(model, self.tp_info)
-        named = list(model.named_parameters())
-        self.defer_buffer(named[::-1])  # backward order: early buckets complete early
+        self.defer_buffer(list(model.named_parameters()))
         return wrapped
+
+    def gradient_order(self, named) -> tuple[list, set[str]]:
+        """`named` in the order backward finishes their gradients and the names finished last (the lookups'),
+        as the buffer's layout wants them (pipeline/grad_buffer.py); "columns" keeps the given order."""
+        if self.grad_buckets == "columns" or self.model is None:
+            return list(named), set()
+        return gradient_order(self.model, list(named))
 
     def defer_buffer(self, named_params) -> None:
         """Reduce the gradients of `named_params` (name, parameter) through a plain buffer (one chunk, all-reduced)
         laid out only when gradients first need it, unless an optimizer's buffer (use_buffer) comes first: laying
         it out copies every parameter into a flat vector, which the optimizer's chunked buffer would copy again."""
         self._drop_reducer()
-        self._buffer, self._deferred = None, list(named_params)
+        self._deferred, self._deferred_late = self.gradient_order(named_params)
+        if self.grad_buckets == "columns":
+            self._deferred = self._deferred[::-1]  # the earlier layout's order: backward's, roughly
+        self._buffer = None
 
     def use_buffer(self, buffer: GradBuffer) -> None:
         """Reduce gradients through `buffer` from now on (reduce-scatter when it is chunked over dp); a deferred
@@ -132,7 +144,8 @@ class ParallelRuntime:
 
     def _lay_out_deferred(self) -> None:
         if self._deferred is not None:
-            self.use_buffer(GradBuffer(self._deferred))  # copies any gradient accumulated so far
+            # copies any gradient accumulated so far
+            self.use_buffer(GradBuffer(self._deferred, late=self._deferred_late, layout=self.grad_buckets))
 
     def _drop_reducer(self) -> None:
         if self._reducer is not None:
@@ -254,10 +267,15 @@ class ParallelRuntime:
 
     def describe_layout(self) -> dict:
         return {"world_size": self.layout.world_size, "tp": self.layout.tp, "pp": self.layout.pp,
-                "dp": self.layout.dp, "engine": "native", "zero_stage": self.zero_stage}
+                "dp": self.layout.dp, "engine": "native", "zero_stage": self.zero_stage,
+                "process_groups": self.group_stats().as_dict()}
+
+    def group_stats(self) -> GroupStats:
+        """What creating this job's process groups cost (pipeline.groups): the layout's groups."""
+        return self.layout.group_stats
 
     def _comm_device(self) -> torch.device:
-        return self.layout.device if self.layout.backend == "nccl" else torch.device("cpu")
+        return self.layout.comm_device
 
     def barrier(self) -> None:
         if dist.is_initialized():

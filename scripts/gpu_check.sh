@@ -63,7 +63,8 @@ echo "== FP8 vs bf16: parcae-140m, 50 steps, seq 512 (${fp8_runs[*]})"
 mkdir -p runs/gpu_check
 limit "${LIMIT_FP8:-}" "$PY" benchmarks/fp8_curves.py --config configs/parcae-140m.yaml --steps 50 --seq-len 512 --window 10 --tail 10 \
   --runs "${fp8_runs[@]}" --corpus data/sample_corpus --png runs/gpu_check/fp8_loss_140m.png \
-  --set train.device=cuda --set train.progress=false --set data.global_batch_size=16 --set data.micro_batch_size=16 \
+  --set train.device=cuda --set train.compile=false --set train.progress=false --set data.global_batch_size=16 \
+  --set data.micro_batch_size=16 \
   || status=$?
 limit "${LIMIT_BENCH:-}" env PYTHON="$PY" bash scripts/gpu_bench.sh || status=$?
 exit $status

@@ -33,6 +33,8 @@ class ParallelConfig:
     grad_reduce_dtype: str = "fp32"  # fp32: gradients cross the wire in their own dtype | bf16: cast for the wire
     grad_bucket_elements: int | None = None  # elements per dp reduction/all-gather bucket; None: max(40M, 1M x dp)
     overlap_param_gather: bool = True  # ZeRO-1: the parameter all-gather runs under the next step's forward
+    grad_buckets: str = "backward"  # backward: buckets in the order backward finishes gradients, the embeddings'
+    #                                 own last | columns: the earlier layout, every bucket waits for the embeddings
     dp_balance: str | None = None  # depth: deal sequences to dp ranks by loop work | rows: equal rows (None: depth,
     #                                 rows under the DeepSpeed engine, whose accumulation count is fixed)
 
@@ -47,6 +49,7 @@ class ParallelConfig:
         check_choice("parallel.backend", self.backend, ("auto", "gloo", "nccl"))
         check_choice("parallel.p2p_semantics", self.p2p_semantics, ("auto", "rendezvous"))
         check_choice("parallel.grad_reduce_dtype", self.grad_reduce_dtype, ("fp32", "bf16"))
+        check_choice("parallel.grad_buckets", self.grad_buckets, ("backward", "columns"))
         if self.pp_message_dtype is not None:
             check_choice("parallel.pp_message_dtype", self.pp_message_dtype, ("fp32", "bf16"))
         if self.dp_balance is not None:
@@ -136,11 +139,16 @@ class TrainConfig:
     spike_k: float = 6.0
     spike_window: int = 50  # the rolling median and MAD are over this many recent losses
     activation_checkpointing: str = "none"  # none | block (recompute each block) | lap (recompute a whole kept lap)
-    compile: bool = False  # torch.compile each block once (the loop calls it T times; prefix sizes dynamic)
+    compile: bool | str = "auto"  # torch.compile each block once (the loop calls it T times; prefix sizes dynamic):
+    #                               true | false | auto (on a GPU only: the CPU's compile time outweighs its gain)
     fp8: str = "none"  # none | tensorwise | rowwise: the core's linear layers in FP8, current scaling (pipeline/fp8.py)
     fp8_backend: str = "torchao"  # torchao (torchao's recipes on torch._scaled_mm, CPU and GPU) | te (GPU only)
     fp8_prelude_coda: bool = False  # also the prelude's and coda's linear layers (head, embeddings, injection: never)
     fp8_scale_rounding: str = "auto"  # auto (torchao's recipes: rowwise pow2, tensorwise none) | pow2 | none
+
+    def compiles(self, device_type: str) -> bool:
+        """Whether the blocks are compiled on a device of this type (train.compile auto: on CUDA only)."""
+        return device_type == "cuda" if self.compile == "auto" else bool(self.compile)
 
     def validate(self) -> None:
         if self.steps < 1:
@@ -149,6 +157,8 @@ class TrainConfig:
         check_choice("train.device", self.device, ("auto", "cpu", "cuda"))
         check_choice("train.extend", self.extend, ("continue", "rewarm"))
         check_choice("train.activation_checkpointing", self.activation_checkpointing, ("none", "block", "lap"))
+        if self.compile not in (True, False, "auto"):
+            raise ConfigError("train.compile", self.compile, "allowed values: true, false, auto")
         check_choice("train.fp8", self.fp8, ("none", "tensorwise", "rowwise"))
         check_local("train.out_dir", self.out_dir)
         check_choice("train.fp8_backend", self.fp8_backend, ("torchao", "te"))

@@ -7,7 +7,14 @@ then an all-gather), each moving X / n bytes over every link of the ring at once
     time = steps x (latency + X / n / bandwidth)
 
 so the bytes each rank sends are (n - 1)/n X (reduce-scatter, all-gather) or 2 (n - 1)/n X (all-reduce), and a call
-costs (n - 1) (or 2 (n - 1)) latencies however small its tensor: many small buckets are latency-bound.
+costs (n - 1) (or 2 (n - 1)) latencies however small its tensor: many small buckets are latency-bound. An all-to-all
+(the bf16 gradient reduction: every rank sends each other rank its piece and sums what it receives itself) is not a
+ring but a pairwise exchange of n - 1 rounds, each moving X / n bytes per rank: the same form with its own fitted
+figures where a library gives them (Link.kinds).
+
+Data-parallel buckets are the ones the trainer builds (megaloop/plan/dp_buckets.py); :func:`dp_traffic` runs them on
+one communication stream in launch order, each going on the wire when it is ready, and reports what the training
+thread waits for.
 
 Links. A group whose ranks all sit on one node runs over the intra-node link (NVLink on an H100 SXM node: ~450 GB/s
 per direction of bus bandwidth). A group spanning nodes is limited by the inter-node link: each GPU has its own NIC
@@ -23,7 +30,7 @@ from dataclasses import dataclass
 
 GB = 1e9
 
-KINDS = ("all_reduce", "reduce_scatter", "all_gather")
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 
 
 @dataclass(frozen=True)
@@ -82,7 +89,7 @@ def h100_cluster(gpus_per_node: int = 8, nvlink_gbps: float = 450.0, nvlink_late
 
 
 def ring_steps(kind: str, n: int) -> int:
-    """Ring steps of one collective over n ranks."""
+    """Ring steps (all-to-all: exchange rounds) of one collective over n ranks."""
     if kind not in KINDS:
         raise ValueError(f"unknown collective {kind!r}: one of {', '.join(KINDS)}")
     return (2 if kind == "all_reduce" else 1) * (n - 1)
@@ -137,42 +144,63 @@ BEFORE = DpComm("fixed", False)
 AFTER = DpComm("scaled", True)
 
 
-def bucket_sizes(n_elements: int, bucket_elements: int) -> list[int]:
-    """Elements of each bucket of a flat buffer of n_elements (the last one holds the rest)."""
-    full, rest = divmod(n_elements, bucket_elements)
-    return [bucket_elements] * full + ([rest] if rest else [])
-
-
 @dataclass(frozen=True)
 class DpTraffic:
-    """One step's data-parallel collectives on one rank: total and last-bucket seconds of the gradient reduction
-    (reduce-scatter under ZeRO-1, else all-reduce) and of the parameter all-gather, and the call counts."""
+    """One step's data-parallel collectives on one rank: seconds of the gradient reduction (reduce-scatter under
+    ZeRO-1, a bf16 all-to-all with bf16 reduction, else all-reduce) and of the parameter all-gather, the call count,
+    and the seconds of each the training thread waits for (exposed)."""
 
     reduce_s: float
-    reduce_last_s: float
     gather_s: float
-    gather_first_s: float
     calls: int
+    reduce_exposed_s: float = 0.0
+    gather_exposed_s: float = 0.0
 
-    def exposed(self, backward_window: float, forward_window: float, overlap_param_gather: bool) -> float:
-        """Exposed seconds: the reduction runs behind the last backward (`backward_window` s) except its last
-        bucket; the all-gather behind the next forward except its first bucket, or all of it without overlap."""
-        reduce = max(self.reduce_s - backward_window, self.reduce_last_s) if self.reduce_s else 0.0
-        if not overlap_param_gather:
-            return reduce + self.gather_s
-        gather = max(self.gather_s - forward_window, self.gather_first_s) if self.gather_s else 0.0
-        return reduce + gather
+    @property
+    def exposed_s(self) -> float:
+        return self.reduce_exposed_s + self.gather_exposed_s
 
 
-def dp_traffic(n_elements: int, dp: int, link: Link, comm: DpComm, grad_bytes: int, wire: int,
-               sharded: bool) -> DpTraffic:
-    """The data-parallel traffic of a rank holding n_elements gradient elements of `grad_bytes` each, sent as
-    `wire`-byte elements over dp ranks; `sharded` (ZeRO-1): reduce-scatter + all-gather, else all-reduce."""
-    if dp <= 1 or n_elements == 0:
-        return DpTraffic(0.0, 0.0, 0.0, 0.0, 0)
-    sizes = bucket_sizes(n_elements, comm.bucket_elements(dp, grad_bytes))
-    kind = "reduce_scatter" if sharded else "all_reduce"
-    times = [collective_time(kind, dp, s * wire, link) for s in sizes]
-    gathers = [collective_time("all_gather", dp, s * wire, link) for s in sizes] if sharded else [0.0]
-    return DpTraffic(sum(times), times[-1], sum(gathers), gathers[0], len(sizes) * (2 if sharded else 1))
+def reduce_exposed(times: list[float], ready: list[float], backward_s: float) -> float:
+    """Seconds the reduction runs past the end of a backward of `backward_s`: bucket k (in launch order) goes on
+    the one communication stream at max(ready_k x backward_s, the end of bucket k-1)."""
+    end = 0.0
+    for t, r in zip(times, ready):
+        end = max(end, r * backward_s) + t
+    return max(0.0, end - backward_s)
 
+
+def gather_exposed(times: list[float], need: list[float], forward_s: float, in_flight: int) -> float:
+    """Seconds a forward of `forward_s` waits for the parameter all-gather (pipeline/param_gather.py), buckets in
+    their launch order (by first use): the first `in_flight` are launched when the forward starts, each later one
+    when the forward has waited for the bucket `in_flight` places before it; the forward stops at a bucket's first
+    use (need x forward_s of its own work) until the bucket has arrived."""
+    finished, comm_free, stall = [], 0.0, 0.0
+    for k, (t, n) in enumerate(zip(times, need)):
+        launch = finished[k - in_flight] if k >= in_flight else 0.0
+        comm_free = max(comm_free, launch) + t
+        reach = n * forward_s + stall
+        stall += max(0.0, comm_free - reach)
+        finished.append(max(reach, comm_free))
+    return stall
+
+
+def dp_traffic(buckets, dp: int, link: Link, wire: int, sharded: bool, bf16_reduce: bool, backward_s: float,
+               forward_s: float, overlap_param_gather: bool, in_flight: int = 2) -> DpTraffic:
+    """The data-parallel traffic of a rank's planned buckets (megaloop/plan/dp_buckets.py, in launch order) over
+    dp ranks, `wire`-byte elements: ZeRO-1 (`sharded`) reduce-scatter (bf16 wire: the all-to-all the reducer
+    runs) + all-gather, else all-reduce. Exposed: the reduction beyond the last backward (`backward_s`; 0: no
+    overlap, all of it), the all-gather's waits in the next forward (`forward_s`) or all of it without overlap."""
+    if dp <= 1 or not buckets:
+        return DpTraffic(0.0, 0.0, 0)
+    kind = ("all_to_all" if bf16_reduce else "reduce_scatter") if sharded else "all_reduce"
+    times = [collective_time(kind, dp, b.elements * wire, link) for b in buckets]
+    reduce_s = sum(times)
+    exposed = reduce_exposed(times, [b.ready for b in buckets], backward_s)
+    if not sharded:
+        return DpTraffic(reduce_s, 0.0, len(buckets), exposed, 0.0)
+    order = sorted(range(len(buckets)), key=lambda k: (buckets[k].need, k))
+    gathers = [collective_time("all_gather", dp, buckets[k].elements * wire, link) for k in order]
+    gathered = (gather_exposed(gathers, [buckets[k].need for k in order], forward_s, in_flight)
+                if overlap_param_gather else sum(gathers))
+    return DpTraffic(reduce_s, sum(gathers), 2 * len(buckets), exposed, gathered)

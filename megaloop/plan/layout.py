@@ -12,6 +12,7 @@ from megaloop.config import Config, ConfigError
 from megaloop.model import build_model
 from megaloop.model.tp_plan import tensor_parallel_plan
 from megaloop.optim.grouping import split_param_groups
+from pipeline.grad_buffer import lookup_parameters
 
 # style -> which dimension of the weight is split (nn.Linear / nn.Embedding); see megaloop/model/tp_plan.py
 _SPLIT_DIM = {"vocab": {"Embedding": 0}, "column": {"Linear": 0, "Embedding": 1},
@@ -36,12 +37,14 @@ class Layout:
 
 @dataclass(frozen=True)
 class LocalParam:
-    """One parameter on one rank: its name, full shape, the shape this rank holds, and its optimizer."""
+    """One parameter on one rank: its name, full shape, the shape this rank holds, its optimizer, and whether it is
+    an embedding lookup's (its gradient is final only at the end of backward: pipeline.grad_buffer.gradient_order)."""
 
     name: str
     full_shape: tuple[int, ...]
     local_shape: tuple[int, ...]
     optimizer: str  # "muon" | "adamw"
+    lookup: bool = False
 
     @property
     def full_numel(self) -> int:
@@ -94,6 +97,7 @@ def local_params(cfg: Config, tp: int) -> list[LocalParam]:
                 split[f"{mname}.weight"] = (dims[kind], 2 if style == "column-paired" else 1)
     groups = split_param_groups(model.named_parameters(), optimizer=cfg.optim.name)
     which = {name: "muon" for name, _ in groups.muon} | {name: "adamw" for name, _ in groups.adamw}
+    lookups = lookup_parameters(model)
     out = []
     for name, param in model.named_parameters():
         full = tuple(param.shape)
@@ -104,5 +108,5 @@ def local_params(cfg: Config, tp: int) -> list[LocalParam]:
                 raise ConfigError("parallel.tp", tp, f"{name} has {full[dim]} rows/columns along its split "
                                   f"dimension, which {parts} part(s) x tp do not divide")
             local[dim] //= tp
-        out.append(LocalParam(name, full, tuple(local), which.get(name, "adamw")))
+        out.append(LocalParam(name, full, tuple(local), which.get(name, "adamw"), id(param) in lookups))
     return out

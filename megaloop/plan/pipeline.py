@@ -241,7 +241,8 @@ def pipeline_plan(cfg: Config, layout: Layout, params: list[LocalParam],
     stored = peak_stored_bytes(result, units, *end_bytes(cfg, layout))
     stages = []
     for s, mine in enumerate(stage_params(params, cfg, pp)):
-        static = static_terms(mine, layout, cfg.train.precision, cfg.parallel.zero_offload)
+        static = static_terms(mine, layout, cfg.train.precision, cfg.parallel.zero_offload,
+                              cfg.parallel.grad_bucket_elements, cfg.parallel.grad_buckets)
         stages.append(StagePlan(s, ranges[s], sum(p.local_numel for p in mine), static, result.idle_fractions[s],
                                 result.peak_stored[s], units[s], stored[s]))
     return PipelinePlan(tuple(specs), costs, bound, result, tuple(stages))

@@ -95,7 +95,8 @@ class Plan:
     def at(self, micro_batch: int, checkpointing: str | None = None) -> MicroBatchPlan:
         ck = checkpointing or self.cfg.train.activation_checkpointing
         static = static_terms(list(self.params), self.layout, self.cfg.train.precision,
-                              self.cfg.parallel.zero_offload, self.cfg.parallel.grad_bucket_elements)
+                              self.cfg.parallel.zero_offload, self.cfg.parallel.grad_bucket_elements,
+                              self.cfg.parallel.grad_buckets)
         rows = self.cfg.data.global_batch_size // self.layout.dp  # this rank's sequences per step
         acts = activation_terms(self.cfg, micro_batch, self.layout.tp, self.layout.sp, ck, self.params,
                                 micro_batches=-(-rows // micro_batch))

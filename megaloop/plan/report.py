@@ -6,6 +6,7 @@ from dataclasses import asdict
 from megaloop.plan.gpus import GIB
 from megaloop.plan.pipeline import PipelinePlan
 from megaloop.plan.planner import MicroBatchPlan, Plan
+from megaloop.plan.startup import startup_groups, startup_line
 
 
 def gib(n: int) -> str:
@@ -24,6 +25,7 @@ def plan_dict(plan: Plan, world: int, nodes: int) -> dict:
                    "precision": cfg.train.precision},
         "gpu": {"name": plan.gpu.name, "total_bytes": plan.gpu.total_bytes,
                 "headroom_bytes": plan.gpu.headroom_bytes, "usable_bytes": plan.gpu.usable_bytes},
+        "process_groups": asdict(startup_groups(lay.tp, lay.dp, lay.pp)),
         "micro_batch_size": cfg.data.micro_batch_size,
         "activation_checkpointing": cfg.train.activation_checkpointing,
         "settings": {},
@@ -74,6 +76,7 @@ def plan_text(plan: Plan, world: int, nodes: int, config_name: str) -> str:
         f"({nodes} node{'s' if nodes > 1 else ''})",
         f"  layout: tp {lay.tp}{pp} x dp {lay.dp}, sequence parallel {'on' if lay.sp else 'off'}, {engine}, "
         f"{cfg.train.precision}; seq {m.seq_len}, mu_rec {m.mu_rec}, mu_bwd {m.backprop_depth}",
+        f"  {startup_line(lay.tp, lay.dp, lay.pp)}",
         f"  GPU {gib(g.total_bytes).strip()}, headroom {gib(g.headroom_bytes).strip()} (CUDA context and "
         f"workspaces 2 GiB + 5% allocator fragmentation) -> usable {gib(g.usable_bytes).strip()} per GPU",
         "  figures are per rank (the most loaded one)" if lay.pp == 1 else

@@ -53,6 +53,7 @@ class Estimate:
                 "time": {"compute_s": t.compute_s, "optimizer_s": t.optimizer_s, "tp_exposed_s": t.tp_s,
                          "pp_exposed_s": t.pp_s, "dp_reduce_s": t.dp.reduce_s, "dp_gather_s": t.dp.gather_s,
                          "dp_calls": t.dp.calls, "dp_exposed_s": t.dp_exposed_s,
+                         "dp_reduce_exposed_s": t.dp.reduce_exposed_s, "dp_gather_exposed_s": t.dp.gather_exposed_s,
                          "tokens_per_step": t.tokens_per_step, "tokens_per_day": t.tokens_per_day,
                          "pipeline_idle_fraction": t.pipeline_idle, "fits": self.fits}}
 

@@ -19,11 +19,13 @@
               compute only, + tp, + the point-to-point messages ([rows, s, d] of the message dtype, / tp under SP,
               over the link between neighbouring stages); the makespan of the last is the pipeline's step, the
               differences are the exposed tp and pp communication.
-  dp          megaloop/plan/comm.py: buckets of the gradient buffer (fixed 25 MiB or max(40M, 1M x dp) elements),
-              a reduce-scatter + all-gather per bucket under ZeRO-1 (all-reduce without), in the wire dtype
-              (parallel.grad_reduce_dtype). Exposed: the reduction beyond the last micro-batch's backward, at least
-              its last bucket; the all-gather fully, or, with overlap_param_gather, beyond the first micro-batch's
-              forward, at least its first bucket. The ring pipeline reduces after its run: no overlap under pp > 1.
+  dp          the buckets the trainer builds (megaloop/plan/dp_buckets.py: the gradient buffer's groups and
+              column ranges, parallel.grad_buckets, parallel.grad_bucket_elements or the scheme's default), a
+              reduce-scatter (bf16 reduction: the all-to-all the reducer runs) + all-gather per bucket under ZeRO-1,
+              all-reduce without, in the wire dtype (megaloop/plan/comm.py). Exposed: the reduction beyond the last
+              micro-batch's backward, each bucket on the wire from when its last gradient is final; the all-gather's
+              waits in the first micro-batch's forward (overlap_param_gather), else all of it. The ring pipeline
+              reduces after its run: no overlap under pp > 1.
 
 step = compute (or the pipeline's makespan) + tp + optimizer + exposed dp; exposed_comm_fraction = (tp + pp + exposed
 dp) / step. Not modelled: kernel launch gaps, elementwise and memory-bound work beyond what the efficiency absorbs,
@@ -35,10 +37,12 @@ from dataclasses import dataclass, replace
 
 from megaloop.config import ConfigError
 from megaloop.plan.comm import Cluster, DpComm, DpTraffic, Link, collective_time, dp_traffic
+from megaloop.plan.dp_buckets import planned_buckets
 from megaloop.plan.layout import LocalParam
 from megaloop.plan.pipeline import _forward_flops, core_ranges, micro_batch_specs, stage_params
 from megaloop.plan.planner import Plan
 from megaloop.train.flops import FlopModel, fp8_shares
+from pipeline.data_parallel import MAX_IN_FLIGHT
 from pipeline.dist_muon import assign_owners
 from pipeline.ring import CostModel, MicroBatch, ring_schedule, simulate
 
@@ -219,12 +223,20 @@ def optimizer_seconds(params: list[LocalParam], plan: Plan, rate: float, tp_link
     return max(load) / rate + comm
 
 
-def _dp(plan: Plan, n_elements: int, cluster: Cluster, comm: DpComm) -> DpTraffic:
+def _dp(plan: Plan, params: list[LocalParam], cluster: Cluster, comm: DpComm, backward_s: float,
+        forward_s: float) -> DpTraffic:
+    """The rank's data-parallel traffic over the buckets the trainer builds (see the module docstring)."""
     lay, cfg = plan.layout, plan.cfg
     grad_bytes = 8 if cfg.train.precision == "fp64" else 4
-    wire = 2 if cfg.parallel.grad_reduce_dtype == "bf16" else grad_bytes
+    bf16 = cfg.parallel.grad_reduce_dtype == "bf16"
+    wire = 2 if bf16 else grad_bytes
+    sharded = lay.zero_stage >= 1 and lay.dp > 1
+    elements = cfg.parallel.grad_bucket_elements or comm.bucket_elements(lay.dp, grad_bytes)
+    buckets = planned_buckets(params, lay.dp, lay.tp, sharded, elements, cfg.parallel.grad_buckets,
+                              cfg.model.mu_rec, cfg.model.backprop_depth)
     link = cluster.group_link(lay.dp, lay.tp)
-    return dp_traffic(n_elements, lay.dp, link, comm, grad_bytes, wire, sharded=lay.zero_stage >= 1)
+    return dp_traffic(buckets, lay.dp, link, wire, sharded, bf16, backward_s, forward_s,
+                      comm.overlap_param_gather and cfg.parallel.overlap_param_gather, MAX_IN_FLIGHT)
 
 
 def time_plan(plan: Plan, device: Device, cluster: Cluster, comm: DpComm) -> TimePlan:
@@ -238,8 +250,8 @@ def time_plan(plan: Plan, device: Device, cluster: Cluster, comm: DpComm) -> Tim
     compute = sum(w.forward + w.backward for w in work)
     tp = sum(w.tp for w in work)
     params = list(plan.params)
-    dp = _dp(plan, sum(p.local_numel for p in params), cluster, comm)
-    exposed = dp.exposed(work[-1].backward, work[0].forward, comm.overlap_param_gather)
+    dp = _dp(plan, params, cluster, comm, work[-1].backward, work[0].forward)
+    exposed = dp.exposed_s
     tokens = plan.cfg.data.global_batch_size * plan.cfg.model.seq_len
     optimizer = optimizer_seconds(params, plan, device.optimizer_rate, rank.tp_link)
     return TimePlan(compute, optimizer, tp, 0.0, dp, exposed, tokens)
@@ -279,9 +291,9 @@ def _pipeline_time(plan: Plan, device: Device, cluster: Cluster, comm: DpComm) -
     schedule = ring_schedule(specs, lay.pp, bound, 2 * bound, c)
     spans = [simulate(schedule, specs, costs, bound, 2 * bound) for costs in (compute, with_tp, with_msg)]
     stages = stage_params(params, cfg, lay.pp)
-    n_elements = max(sum(p.local_numel for p in st) for st in stages)
-    dp = _dp(plan, n_elements, cluster, comm)
-    exposed = dp.exposed(0.0, 0.0, comm.overlap_param_gather)
+    busiest = max(stages, key=lambda st: sum(p.local_numel for p in st))
+    dp = _dp(plan, list(busiest), cluster, comm, 0.0, 0.0)  # the ring pipeline reduces after its run
+    exposed = dp.exposed_s
     optimizer = max(optimizer_seconds(st, plan, device.optimizer_rate, rank.tp_link) for st in stages)
     tokens = cfg.data.global_batch_size * m.seq_len
     c0, c1, c2 = (s.makespan for s in spans)

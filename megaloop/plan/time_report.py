@@ -29,8 +29,10 @@ def time_lines(est: Estimate, tokens: float | None, device: Device, cluster: Clu
                                                        if est.plan.layout.pp > 1 else "")
              + f", optimizer {t.optimizer_s * ms:.1f} ms",
              f"  exposed communication: tp {t.tp_s * ms:.1f} ms, pp {t.pp_s * ms:.1f} ms, dp {t.dp_exposed_s * ms:.1f} "
-             f"ms (reduction {t.dp.reduce_s * ms:.1f} ms + all-gather {t.dp.gather_s * ms:.1f} ms in {t.dp.calls} "
-             f"calls) -> {t.exposed_comm_fraction:.1%} of the step",
+             f"ms (reduction {t.dp.reduce_s * ms:.1f} ms, {t.dp.reduce_exposed_s * ms:.1f} ms of it past the backward; "
+             f"all-gather {t.dp.gather_s * ms:.1f} ms, {t.dp.gather_exposed_s * ms:.1f} ms of it waited for in the "
+             f"forward; {t.dp.calls} calls, parallel.grad_buckets={est.plan.cfg.parallel.grad_buckets}) "
+             f"-> {t.exposed_comm_fraction:.1%} of the step",
              f"  step {t.step_time_s:.3f} s, {t.tokens_per_step} tokens: {t.tokens_per_s:,.0f} tokens/s, "
              f"{t.tokens_per_day / 1e9:.2f}B tokens/day"
              + (f", {t.days(tokens):.1f} days for {tokens:.3g} tokens" if tokens else ""),

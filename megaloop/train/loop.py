@@ -60,6 +60,8 @@ class RunSummary:
     attention_calls: dict = field(default_factory=dict)  # kernel -> calls that ran it in this job's first step
     attention_fallbacks: dict = field(default_factory=dict)  # why auto's kernel could not take a call -> calls
     n_params: int = 0
+    gpu_max_allocated: int = 0  # this rank's CUDA allocator peaks over the job, bytes (0 off a GPU)
+    gpu_max_reserved: int = 0
     is_main: bool = True
     val: dict = field(default_factory=dict)
     losses: list = field(default_factory=list)
@@ -171,7 +173,7 @@ def build_model_and_optimizer(cfg: Config, runtime: TrainerRuntime, device: torc
     if native_bf16 is None:
         native_bf16 = bf16_support(device).native
     model = build_model(cfg.model, device="meta").to(param_dtype(precision))
-    model.set_execution(cfg.train.activation_checkpointing, cfg.train.compile)
+    model.set_execution(cfg.train.activation_checkpointing, cfg.train.compiles(device.type))
     set_attention_backend(model, resolve_attention_backend(cfg.model.attention, device),  # once, not per call
                           configured=cfg.model.attention != "auto")
     split = runtime.tp_size > 1 or runtime.pp_size > 1  # the runtime splits the model before it is materialised
@@ -274,6 +276,11 @@ def _print_header(cfg: Config, runtime: TrainerRuntime, summary: RunSummary, cho
     print(f"megaloop: train {cfg.train.out_dir}: {summary.n_params / 1e6:.2f}M params, tp={layout['tp']} "
           f"pp={layout.get('pp', 1)} dp={layout['dp']}, {choice.header()}; attention {summary.attention}; peak "
           f"{summary.peak_tflops:.4f} TFLOP/s ({summary.peak_source})", file=sys.stderr, flush=True)
+    groups = layout.get("process_groups")
+    if groups and groups["groups"]:
+        from pipeline.groups import describe_groups
+
+        print(f"megaloop: process groups: {describe_groups(groups)}", file=sys.stderr, flush=True)
     if choice.warning:
         print(f"megaloop: warning: {choice.warning}", file=sys.stderr, flush=True)
 
@@ -310,6 +317,7 @@ def _run_steps(cfg, model, optimizer, sampler, flop_model, data: DataSource, run
         dt = time.perf_counter() - t0
         record = _train_record(step, stats, figures, t_data, dt, summary, optimizer, guard)
         _note_data(record, summary, data, t_data)
+        _note_gpu_memory(record, summary, runtime.device)
         summary.steps_done = step + 1
         summary.losses.append(record["loss"])
         if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1:
@@ -367,6 +375,19 @@ def _stop_code(flag, ckpt, t0: float) -> int:
     flag.note_step(time.perf_counter() - t0)
     flag.note_save(ckpt.slowest_save_s)
     return flag.local_code()
+
+
+def _note_gpu_memory(record: dict, summary, device: torch.device) -> None:
+    """This rank's CUDA allocator peaks so far (bytes; NaN off a GPU) into the record and the summary: what its
+    tensors held at most, and what the allocator reserved from the device for them (the gap is fragmentation and
+    cached blocks). Reading them does not synchronise the device."""
+    if device.type != "cuda":
+        record["gpu_max_allocated"] = record["gpu_max_reserved"] = float("nan")
+        return
+    record["gpu_max_allocated"] = torch.cuda.max_memory_allocated(device)
+    record["gpu_max_reserved"] = torch.cuda.max_memory_reserved(device)
+    summary.gpu_max_allocated = max(summary.gpu_max_allocated, record["gpu_max_allocated"])
+    summary.gpu_max_reserved = max(summary.gpu_max_reserved, record["gpu_max_reserved"])
 
 
 def _train_record(step, stats, figures, t_data, dt, summary, optimizer, guard: PeakGuard) -> dict:

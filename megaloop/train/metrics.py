@@ -25,6 +25,7 @@ TRAIN_FIELDS = {
     "time_phases_step": int,  # the step the forward ... pipeline_idle times are of (on a GPU: the one before)
     "time_step": NUMBER,
     "data_bytes_downloaded": int, "data_cache_hit_ratio": NUMBER,  # this rank's node-cache figures so far
+    "gpu_max_allocated": NUMBER, "gpu_max_reserved": NUMBER,  # this rank's CUDA allocator peaks so far (NaN: CPU)
 }
 VAL_FIELDS = {"kind": str, "step": int, "T": int, "val_loss": NUMBER, "val_bpb": NUMBER, "tokens": int,
               "rows": int}

@@ -177,10 +177,11 @@ def make_runtime(cfg, device: torch.device) -> TrainerRuntime:
         return PipelineRuntime(layout, tensor_parallel_plan(m.mlp), functions, stages, zero_stage=p.zero_stage,
                                grad_reduce_dtype=p.grad_reduce_dtype, in_flight=p.pp_in_flight,
                                p2p_semantics=p.p2p_semantics, timeout_s=p.timeout_s,
-                               bucket_elements=p.grad_bucket_elements, overlap_param_gather=p.overlap_param_gather)
+                               bucket_elements=p.grad_bucket_elements, overlap_param_gather=p.overlap_param_gather,
+                               grad_buckets=p.grad_buckets)
     return ParallelRuntime(layout, tensor_parallel_plan(m.mlp), functions, zero_stage=p.zero_stage,
                            grad_reduce_dtype=p.grad_reduce_dtype, bucket_elements=p.grad_bucket_elements,
-                           overlap_param_gather=p.overlap_param_gather)
+                           overlap_param_gather=p.overlap_param_gather, grad_buckets=p.grad_buckets)
 
 
 MESSAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

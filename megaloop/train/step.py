@@ -82,11 +82,12 @@ class StepTimer:
     """forward/backward times summed over micro-batches, the gradient reduction, the optimizer. On the CPU (where
     work is synchronous): wall clock, read at the end of the step. On a GPU: CUDA events, read one step later, so
     that reading them never waits for the device (by then the step's skip decision has synchronised past them);
-    one timer lives across the steps and `totals()` at step s returns step s-1's times (NaN at a job's first)."""
+    one timer lives across the steps and `completed_totals()` at step s returns step s-1's times (NaN at a job's
+    first): the latest step whose times are complete."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.lag = 1 if self.cuda else 0  # totals() at step s are step s - lag's times
+        self.lag = 1 if self.cuda else 0  # completed_totals() at step s: step s - lag's times
         self.spans = self._empty()
         self.pending = None  # CUDA: the previous step's spans, read at this step's end
 
@@ -104,8 +105,9 @@ class StepTimer:
     def add(self, name: str, start, end) -> None:
         self.spans[name].append((start, end))
 
-    def totals(self) -> dict:
-        """This step's times (CPU) or the previous step's (CUDA); starts the next step's spans."""
+    def completed_totals(self) -> dict:
+        """The latest complete step's times: this step's on the CPU, the previous step's on CUDA (read without
+        waiting for the device); starts the next step's spans."""
         spans, self.spans = self.spans, self._empty()
         if not self.cuda:
             return {k: sum(b - a for a, b in v) for k, v in spans.items()}
@@ -151,7 +153,7 @@ def train_step(model, optimizer, batch: dict, depth_sample, step: int, seed: int
         stats.record = optimizer.step(step)
     optimizer.zero_grad(set_to_none=True)
     timer.add("optimizer", t3, timer.mark())
-    stats.times.update(timer.totals())  # on a GPU the previous step's: no synchronisation here
+    stats.times.update(timer.completed_totals())  # on a GPU the previous step's: no synchronisation here
     stats.times_step = step - timer.lag
     return stats
 

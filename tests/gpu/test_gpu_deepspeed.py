@@ -41,7 +41,7 @@ def test_deepspeed_zero2_on_nccl_equals_single_process(shards, tmp_path):
             f"data.shards={shards}", f"train.out_dir={tmp_path / out}", f"train.steps={STEPS}", "model.vocab_size=512",
             "model.seq_len=64", "data.micro_batch_size=2", "data.global_batch_size=8", "data.val_batches=1",
             "train.val_every=1000", "train.progress=false", "train.precision=fp32", "train.device=cuda",
-            "optim.name=adamw", "optim.adam_weight_decay=0.1", "optim.eps=1e-6", *extra])
+            "train.compile=false", "optim.name=adamw", "optim.adam_weight_decay=0.1", "optim.eps=1e-6", *extra])
 
     native = train(cfg("native"), runtime=SingleProcessRuntime(torch.device("cuda")))
     with socket.socket() as s:

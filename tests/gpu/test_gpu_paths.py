@@ -1,10 +1,11 @@
 """The GPU-only paths, checked on a CUDA machine by scripts/gpu_check.sh (skipped without a GPU): the trainer on
 CUDA in bf16 (fused AdamW, autocast, depth sampling on the device) with a checkpoint written from GPU tensors through
 pinned host buffers and read back bit for bit, every attention call of its first step run by the resolved kernel
-(flash-attn when installed: counted, no fallback), the NCCL backend of the runtime's reductions, and flash-attn against
-PyTorch's SDPA when flash-attn is installed."""
+(flash-attn when installed: counted, no fallback) and its CUDA memory peaks in the step records, the NCCL backend
+of the runtime's reductions, and flash-attn against PyTorch's SDPA when flash-attn is installed."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 from pathlib import Path
@@ -27,8 +28,10 @@ def test_cuda_training_and_checkpoint_round_trip(corpus_shards, tmp_path):
             self.model = model
             return model
 
+    # eager (train.compile=false; auto compiles on a GPU): the first step's attention calls are counted one by one
     overrides = [f"data.shards={corpus_shards}", f"train.out_dir={tmp_path}", "train.steps=30", "train.device=cuda",
-                 "train.precision=bf16", "train.progress=false", "data.val_batches=2", "checkpoint.every=10"]
+                 "train.precision=bf16", "train.progress=false", "data.val_batches=2", "checkpoint.every=10",
+                 "train.compile=false"]
     runtime = Keeping(torch.device("cuda"))
     summary = train(load_config(str(REPO / "configs" / "parcae-tiny.yaml"), overrides), runtime=runtime)
     print(f"cuda parcae-tiny bf16: 30 steps, loss {summary.losses[0]:.4f} -> {summary.losses[-1]:.4f}, "
@@ -39,6 +42,12 @@ def test_cuda_training_and_checkpoint_round_trip(corpus_shards, tmp_path):
     print(f"attention in step 0: resolved {summary.attention}, ran {summary.attention_calls}, fallbacks "
           f"{summary.attention_fallbacks}")
     assert list(summary.attention_calls) == [summary.attention] and not summary.attention_fallbacks
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    peaks = [(r["gpu_max_allocated"], r["gpu_max_reserved"]) for r in records if r["kind"] == "train"]
+    print(f"GPU memory: max allocated {summary.gpu_max_allocated / 2**20:.0f} MiB, reserved "
+          f"{summary.gpu_max_reserved / 2**20:.0f} MiB (records: {peaks[0]} ... {peaks[-1]})")
+    assert all(0 < a <= r for a, r in peaks) and peaks == sorted(peaks)  # running peaks: never decrease
+    assert (summary.gpu_max_allocated, summary.gpu_max_reserved) == peaks[-1]
     reader = CheckpointReader(find_checkpoints(tmp_path / "checkpoints")[0])
     assert reader.step == 30
     for name, p in runtime.model.named_parameters():

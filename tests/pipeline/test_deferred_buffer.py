@@ -49,8 +49,10 @@ def test_prepare_model_lays_out_nothing_and_the_optimizer_lays_out_the_only_buff
     print(f"after prepare_model: {untouched}/{len(params)} parameters in their own storage, unmoved")
     assert untouched == len(params)
     optimizer = build_optimizer(model.named_parameters(), optim_config(), 10, parts=runtime.optimizer_parts())
-    (group,) = runtime.buffer.groups
-    moved = sum(in_flat(p, group.param_flat) and in_flat(p.grad, group.grad_flat) for p in params.values())
+    groups = runtime.buffer.groups
+    assert [g.late for g in groups] == [False, True]  # the blocks' parameters, then the embeddings'
+    moved = sum(any(in_flat(p, g.param_flat) and in_flat(p.grad, g.grad_flat) for g in groups)
+                for p in params.values())
     same = sum(torch.equal(p, before[n][1]) for n, p in params.items())
     print(f"after the optimizer: {moved}/{len(params)} parameters and gradients in its buffer, {same} values kept")
     assert runtime.buffer is optimizer.parts.buffer and runtime.reducer.buffer is optimizer.parts.buffer
@@ -70,11 +72,12 @@ def test_the_plain_buffer_appears_when_gradients_need_it(how):
         else:
             loss.backward()
     runtime.reduce_gradients(model)
-    (group,) = runtime.buffer.groups
+    groups = runtime.buffer.groups
     ref = dict(reference.named_parameters())
     params = dict(model.named_parameters())
     equal = sum(torch.equal(p.grad, ref[n].grad) for n, p in params.items())
-    flat = sum(in_flat(p, group.param_flat) and in_flat(p.grad, group.grad_flat) for p in params.values())
+    flat = sum(any(in_flat(p, g.param_flat) and in_flat(p.grad, g.grad_flat) for g in groups)
+               for p in params.values())
     print(f"{how}: {equal}/{len(params)} gradients bit-identical to the model's without a runtime, {flat} in the "
           "plain buffer")
-    assert equal == flat == len(params) and group.dp == 1
+    assert equal == flat == len(params) and all(g.dp == 1 for g in groups)

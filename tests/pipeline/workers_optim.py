@@ -43,7 +43,8 @@ def run_layout(case: str, tp: int):
     runtime.finish_param_gather()  # no forward follows the last step to wait for the overlapped all-gather
     params = {n: gather_full(p.detach(), runtime.tp_info.shards.get(n), layout.tp_group)
               for n, p in model.named_parameters()}
-    chunking = [(g.chunk_len, g.dp, sum(p.numel() for p in g.params)) for g in runtime.buffer.groups]
+    chunking = [(g.chunk_len, g.dp, sum(p.numel() for p in g.params), g.late, max(p.numel() for p in g.params))
+                for g in runtime.buffer.groups]
     mine = {"muon": opt.muon.state_bytes(), "adamw": opt.adamw.state_bytes(), "muon_type": type(opt.muon).__name__,
             "adamw_type": type(opt.adamw).__name__, "chunking": chunking}
     per_rank = [None] * layout.world_size

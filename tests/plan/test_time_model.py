@@ -3,7 +3,6 @@ model in seconds, the JSON keys, --search keeping to memory, and the CLI's error
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -12,15 +11,13 @@ from megaloop.__main__ import main
 from megaloop.config import load_config
 from megaloop.plan.comm import (
     AFTER,
-    BEFORE,
     Cluster,
     DpComm,
-    DpTraffic,
     Link,
-    bucket_sizes,
     collective_time,
-    dp_traffic,
+    gather_exposed,
     h100_cluster,
+    reduce_exposed,
     wire_bytes,
 )
 from megaloop.plan.gpus import CONTEXT_BYTES, FRAGMENTATION, Gpu
@@ -84,29 +81,73 @@ def test_groups_run_over_the_link_their_ranks_span():
     assert c.group_link(32, 2).bandwidth == pytest.approx(200e9)  # dp 32 at tp 2: 4 ranks per node
 
 
-def test_buckets_before_and_after_at_dp_128():
-    n = 1_340_000_000
-    assert BEFORE.bucket_elements(128, 4) == 25 * 2**20 // 4
-    assert AFTER.bucket_elements(128, 4) == 128_000_000
-    assert AFTER.bucket_elements(8, 4) == 40_000_000
-    assert bucket_sizes(10, 4) == [4, 4, 2] and sum(bucket_sizes(n, 6_553_600)) == n
-    link = h100_cluster().group_link(128, 1)
-    before = dp_traffic(n, 128, link, BEFORE, 4, 4, sharded=True)
-    after = dp_traffic(n, 128, link, AFTER, 4, 4, sharded=True)
-    assert before.calls == 2 * math.ceil(n / 6_553_600) and after.calls == 2 * 11
-    # same bytes, more calls: the difference is the latency of the extra ring steps
-    extra = (before.calls - after.calls) / 2 * 127 * 5e-6
-    assert before.reduce_s - after.reduce_s == pytest.approx(extra, rel=1e-9)
-    bf16 = dp_traffic(n, 128, link, AFTER, 4, 2, sharded=True)
-    assert bf16.reduce_s < after.reduce_s and bf16.calls == after.calls
-    assert dp_traffic(n, 1, link, AFTER, 4, 4, sharded=True).reduce_s == 0.0
+def test_reduction_and_gather_exposure_by_hand():
+    # three 1 s buckets ready at 0.2, 0.5 and 1.0 of a 2 s backward: 0.4-1.4, 1.4-2.4, 2.4-3.4 -> 1.4 s past the end
+    assert reduce_exposed([1.0, 1.0, 1.0], [0.2, 0.5, 1.0], 2.0) == pytest.approx(1.4)
+    assert reduce_exposed([1.0, 1.0], [1.0, 1.0], 2.0) == pytest.approx(2.0)  # nothing ready early: all exposed
+    # gather, one in flight, needed at 0, 0.5 and 0.9 of a 2 s forward: waits 1 s at the start, then bucket 1
+    # (launched at 1, here at 2) is in time, bucket 2 (launched at 2, here at 3) is 0.2 s late at 2.8
+    assert gather_exposed([1.0, 1.0, 1.0], [0.0, 0.5, 0.9], 2.0, in_flight=1) == pytest.approx(1.2)
+    # two in flight: bucket 1 goes on the wire at once, bucket 2 after the wait for bucket 0 -> arrives at 3
+    assert gather_exposed([1.0, 1.0, 1.0], [0.0, 0.5, 0.9], 2.0, in_flight=2) == pytest.approx(1.2)
 
 
-def test_exposure_after_overlap():
-    t = DpTraffic(reduce_s=1.0, reduce_last_s=0.1, gather_s=0.8, gather_first_s=0.05, calls=10)
-    assert t.exposed(backward_window=0.5, forward_window=0.3, overlap_param_gather=False) == pytest.approx(0.5 + 0.8)
-    assert t.exposed(0.5, 0.3, True) == pytest.approx(0.5 + 0.5)
-    assert t.exposed(5.0, 5.0, True) == pytest.approx(0.1 + 0.05)  # hidden but the last / first bucket
+def test_planned_buckets_are_the_buckets_the_trainer_builds():
+    """The planner's buckets come from the gradient buffer the runtime lays out: same groups, padding, column
+    ranges and members (parcae-tiny, ZeRO-1 at dp 4: Muon matrices whole in their owners' chunks)."""
+    from megaloop.model import build_model
+    from megaloop.plan.dp_buckets import planned_buckets
+    from megaloop.plan.layout import local_params
+    from pipeline.data_parallel import make_buckets
+    from pipeline.dist_muon import assign_owners
+    from pipeline.grad_buffer import GradBuffer, gradient_order
+
+    cfg = load_config(TINY, FIXED)
+    dp, elements = 4, 100_000
+    model = build_model(cfg.model)
+    params = local_params(cfg, 1)
+    muon = [p.name for p in params if p.optimizer == "muon"]
+    sizes = dict(model.named_parameters())
+    owners = dict(zip(muon, assign_owners([sizes[n].numel() for n in muon], dp)))
+    named, late = gradient_order(model, list(model.named_parameters()))
+    buffer = GradBuffer(named, dp, 0, owners, late)
+    built = [((b.hi - b.lo) * b.group.dp, b.group.late) for b in make_buckets(buffer, elements)]
+    planned = planned_buckets(params, dp, 1, True, elements, "backward", cfg.model.mu_rec, cfg.model.backprop_depth)
+    print(f"{len(built)} buckets, {sum(n for n, _ in built):,} elements; lookups' buckets: "
+          f"{sum(late for _, late in built)}")
+    assert [(b.elements, b.late) for b in planned] == built
+    assert sum(late for _, late in built) >= 1 and sum(not late for _, late in built) >= 2
+    main = [b for b in planned if not b.late]
+    assert all(b.ready == 1.0 for b in planned if b.late)
+    # the first prelude block's columns are final with the lookups; the rest of the main group earlier, and
+    # the first columns (the coda's) first
+    early = sum(b.elements for b in main if b.ready < 1.0)
+    assert early >= 0.8 * sum(b.elements for b in main) and main[0].ready == min(b.ready for b in main)
+    assert all(b.need == 0.0 for b in planned if b.late)  # the lookups are read first in the forward
+
+
+def test_columns_buckets_wait_for_the_embeddings_and_backward_ones_do_not():
+    """parcae-1_3b on 16 x 8 H100 (dp 128, ZeRO-1): with the earlier layout every bucket holds embedding columns,
+    so the whole reduction runs after the backward; in backward order only the lookups' buckets do."""
+    overrides = ["data.micro_batch_size=2", "train.precision=bf16"]
+    config = Path(__file__).resolve().parents[2] / "configs" / "parcae-1_3b.yaml"
+    cluster, device = h100_cluster(), Device("h100", 989.0, 0.4)
+    times = {}
+    for order in ("columns", "backward"):
+        cfg = load_config(config, [*overrides, f"parallel.grad_buckets={order}"], world_size=128)
+        times[order] = Planner(Gpu("h100", 80 * 2**30), 128, device, cluster, AFTER, None).estimate(cfg).time.dp
+        t = times[order]
+        print(f"{order}: reduction {t.reduce_s * 1e3:.1f} ms ({t.reduce_exposed_s * 1e3:.1f} exposed), all-gather "
+              f"{t.gather_s * 1e3:.1f} ms ({t.gather_exposed_s * 1e3:.1f} exposed), {t.calls} calls")
+    assert times["columns"].reduce_exposed_s == pytest.approx(times["columns"].reduce_s)
+    assert times["backward"].reduce_exposed_s < 0.999 * times["backward"].reduce_s
+    assert times["backward"].exposed_s < times["columns"].exposed_s
+
+
+def test_bf16_reduction_is_priced_as_an_all_to_all():
+    link = Link(10e9, 1e-6, kinds=(("all_to_all", 5e9, 1e-6),))
+    assert collective_time("all_to_all", 4, 8e6, link) == pytest.approx(3 * (1e-6 + 2e6 / 5e9))
+    assert collective_time("reduce_scatter", 4, 8e6, link) == pytest.approx(3 * (1e-6 + 2e6 / 10e9))
 
 
 def _planner(world: int, gpu_bytes: int = 2**40, comm: DpComm = AFTER) -> Planner:

@@ -223,8 +223,9 @@ def _nccl_env(tmp_path, **preset) -> dict[str, str]:
     from slurm import body
     script = f"OUT_DIR={tmp_path}\n{body.NCCL}\n" + "".join(
         f'echo {k}="${{{k}}}"\n' for k in ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
-                                          "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NCCL")} | preset
+                                          "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "PYTORCH_CUDA_ALLOC_CONF"))
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("TORCH_NCCL") and k != "PYTORCH_CUDA_ALLOC_CONF"} | preset
     out = subprocess.run(["bash", "-c", script], env=env, text=True, capture_output=True, check=True).stdout
     return dict(line.split("=", 1) for line in out.splitlines())
 
@@ -237,3 +238,9 @@ def test_nccl_flight_recorder_dumps_into_the_run_and_keeps_user_values(tmp_path)
     mine = _nccl_env(tmp_path / "b", TORCH_NCCL_TRACE_BUFFER_SIZE="7", TORCH_NCCL_DEBUG_INFO_TEMP_FILE="/x/t_")
     assert mine["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "7" and mine["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/x/t_"
     assert not (tmp_path / "b").exists()
+
+
+def test_the_cuda_allocator_gets_expandable_segments_unless_the_user_set_it(tmp_path):
+    assert _nccl_env(tmp_path)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    mine = _nccl_env(tmp_path, PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:512")
+    assert mine["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
