@@ -113,10 +113,6 @@ class GroupLayout:
     chunk_len: int
     dp: int
 
-    @property
-    def padding(self) -> int:
-        return self.chunk_len * self.dp - sum(self.numels)
-
 
 def _whole_owners(entries: list[Entry], dp: int) -> list[Item]:
     """Every entry whole in one chunk: its owner, else the least-filled chunk at its turn (ties: the lowest)."""

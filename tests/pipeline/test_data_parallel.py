@@ -34,9 +34,12 @@ def test_dp_gradients_equal_union_batch(overlap, tmp_path):
     ref = union_reference("parcae", 2)
     worst = max((max_rel_err(got["grads"][n], g), n) for n, g in ref.items())
     print(f"dp=2 overlap={overlap}: depths {got['depths']}, {got['buckets']} buckets ({got['overlapped']} launched "
-          f"during the backward), worst grad err {worst[0]:.2e} ({worst[1]})")
+          f"during the backward; {got['early']:.1%} of the bytes before its last gradient, {got['not_lookups']:.1%} "
+          f"outside the embeddings' groups), worst grad err {worst[0]:.2e} ({worst[1]})")
     assert got["buckets"] > 3
     assert (got["overlapped"] > 0) == overlap
+    # the buffer in backward order: every bucket outside the embeddings' groups goes before backward ends
+    assert got["early"] >= got["not_lookups"] if overlap else got["early"] == 0
     assert worst[0] <= TOL
 
 

@@ -58,9 +58,11 @@ def worker(rank: int, world: int, case: str, tp: int, overlap: bool, out_path: s
     from pipeline.tensor_parallel import gather_full
     grads = {n: gather_full(g, runtime.tp_info.shards.get(n), layout.tp_group) for n, g in grads_of(model).items()}
     if rank == 0:
+        lookups = sum(g.grad_flat.numel() for g in runtime.buffer.groups if g.late)
         torch.save({"grads": grads, "buckets": len(runtime.reducer.buckets),
                     "overlapped": runtime.reducer.launched_in_backward,
-                    "depths": depth.tolist()}, out_path)
+                    "early": runtime.reducer.last_overlap.early_fraction,
+                    "not_lookups": 1 - lookups / runtime.buffer.numel(), "depths": depth.tolist()}, out_path)
 
 
 def overlap_worker(rank: int, world: int, out_path: str, steps: int = 2) -> None:
