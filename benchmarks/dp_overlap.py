@@ -3,8 +3,9 @@
     python benchmarks/dp_overlap.py [--dp 4] [--steps 12] [--bucket-elements 262144] [--skip-measure]
 
 1. Buckets per gradient reduction (and per parameter all-gather) of parcae-1_3b's fp32 gradient buffer at dp 8 to
-   128 (tp = pp = 1): the former fixed 25 MiB buckets against max(40M, 1M x dp) elements, with the bytes of each
-   rank's piece of one collective (a ring moves about that much per step of the collective).
+   128 (tp = pp = 1): the former fixed 25 MiB buckets against the max(40M, 1M x dp)-element buckets the runtime
+   builds over its buffer groups, with the bytes of each rank's piece of one collective (a ring moves about that
+   much per step of the collective).
 2. Measured on CPU with gloo at dp 4: the fraction of the parameter all-gather's time hidden behind the next
    forward. parcae-tiny (fp32, fixed depth) trains through the trainer's own train_step in one set of processes,
    alternating steps with the gather overlapped and not (the same runtime, the flag switched between steps, so
@@ -34,21 +35,24 @@ OLD_BUCKET_BYTES = 25 * 2**20
 
 def bucket_table(dps: list[int]) -> None:
     from megaloop.config import load_config
+    from megaloop.plan.dp_buckets import planned_buckets
     from megaloop.plan.layout import local_params
     from pipeline.data_parallel import bucket_count, default_bucket_elements
 
     cfg = load_config(REPO / "configs/parcae-1_3b.yaml")
-    n = sum(p.local_numel for p in local_params(cfg, 1))
-    print(f"parcae-1_3b: {n:,} parameters, fp32 gradient buffer, buckets per reduction (and per all-gather)")
-    print(f"{'dp':>5}{'25 MiB buckets':>16}{'piece/rank':>12}{'max(40M, 1M x dp)':>19}{'piece/rank':>12}")
+    params = local_params(cfg, 1)
+    n = sum(p.local_numel for p in params)
+    print(f"parcae-1_3b: {n:,} parameters, fp32 gradient buffer, buckets per reduction (and per all-gather): the old "
+          "fixed 25 MiB over one flat buffer, and the buckets the runtime builds today (its buffer groups, padding "
+          "included; megaloop/plan/dp_buckets.py)")
+    print(f"{'dp':>5}{'25 MiB buckets':>16}{'piece/rank':>12}{'max(40M, 1M x dp)':>19}{'largest piece/rank':>20}")
     for dp in dps:
         chunk = -(-n // dp)
         old = bucket_count(chunk, dp, OLD_BUCKET_BYTES // 4)
-        new_elements = default_bucket_elements(dp)
-        new = bucket_count(chunk, dp, new_elements)
         old_piece = min(chunk, OLD_BUCKET_BYTES // 4 // dp) * 4
-        new_piece = min(chunk, new_elements // dp) * 4
-        print(f"{dp:>5}{old:>16}{old_piece / 2**20:>10.2f}Mi{new:>19}{new_piece / 2**20:>10.2f}Mi")
+        new = planned_buckets(params, dp, 1, True, default_bucket_elements(dp), "backward", 1, 1)
+        new_piece = max(b.elements for b in new) // dp * 4
+        print(f"{dp:>5}{old:>16}{old_piece / 2**20:>10.2f}Mi{len(new):>19}{new_piece / 2**20:>18.2f}Mi")
 
 
 def _rank(rank: int, world: int, port: int, steps: int, bucket_elements: int, out_dir: str) -> None:
