@@ -1,15 +1,20 @@
-"""A parcae-tiny run forced to diverge: the update of step N-1 runs at --factor x the learning rate, so the loss of
-step N jumps. Prints the "spike" records the run logged, how it ended (train.on_spike=stop: exit 75, a checkpoint
-at step N+1 and a message naming the step) and its last training losses.
+"""A parcae-tiny run with a loss spike at step N, and what train.on_spike does with it. --cause lr: the update of
+step N-1 runs at --factor x the learning rate (the damage is in the state; it comes back after every rollback, since
+the schedule is a function of the step); --cause batch: the batch of step N is corrupted (every token the last id,
+MEGALOOP_FAULTS=spike:step=N). Prints the "spike" and "rollback" records, how the run ended (stop: exit 75, no
+checkpoint of step N or later; rollback: the checkpoint restored, the batches skipped, and for --cause lr the bound
+train.max_rollbacks stopping the run), its last training losses and the checkpoints left.
 
 Usage (from the repository root, shards as scripts/quickstart.sh makes them):
     python benchmarks/spike_stop.py --shards runs/quickstart/shards [--step 40] [--factor 300] [--out DIR]
+    python benchmarks/spike_stop.py --shards runs/quickstart/shards --action rollback --cause batch
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -41,19 +46,27 @@ def main() -> int:
     ap.add_argument("--shards", type=Path, required=True)
     ap.add_argument("--step", type=int, default=40, help="the step whose loss jumps (N)")
     ap.add_argument("--factor", type=float, default=300.0)
-    ap.add_argument("--action", default="stop", choices=("log", "skip", "stop"))
+    ap.add_argument("--action", default="stop", choices=("log", "skip", "rollback", "stop"))
+    ap.add_argument("--cause", default="lr", choices=("lr", "batch"))
+    ap.add_argument("--every", type=int, default=10, help="checkpoint.every (steps; default 10)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="spike_"))
-    force_lr_spike(args.step, args.factor)
+    if args.cause == "lr":
+        force_lr_spike(args.step, args.factor)
+    else:
+        os.environ["MEGALOOP_FAULTS"] = f"spike:step={args.step}"
     cfg = load_config(TINY, [f"data.shards={args.shards}", f"train.out_dir={out}", f"train.steps={args.step + 20}",
-                             f"train.on_spike={args.action}", "train.val_every=1000", "train.progress=false"])
+                             f"train.on_spike={args.action}", "train.val_every=1000", "train.progress=false",
+                             f"checkpoint.every={args.every}"])
     code = run_training(cfg)
     records = read_metrics(out / "metrics.jsonl")
-    print(f"exit status {code}; lr x{args.factor:g} in the update of step {args.step - 1}")
+    cause = (f"lr x{args.factor:g} in the update of step {args.step - 1}" if args.cause == "lr" else
+             f"the batch of step {args.step} corrupted")
+    print(f"exit status {code}; {cause}")
     for r in records:
-        if r["kind"] == "spike":
-            print("spike record:", json.dumps(r))
+        if r["kind"] in ("spike", "rollback"):
+            print(f"{r['kind']} record:", json.dumps(r))
     losses = [(r["step"], round(r["loss"], 4)) for r in records if r["kind"] == "train"]
     print("last training losses (step, loss):", losses[-5:])
     ckpt = out / "checkpoints"
@@ -61,6 +74,8 @@ def main() -> int:
     summary = json.loads((out / "summary.json").read_text())
     print(f"summary: steps_done {summary['steps_done']}, interrupted {summary['interrupted']}, "
           f"stop_reason {summary['stop_reason']!r}")
+    stopped = out / "STOPPED"
+    print("STOPPED:", stopped.read_text().strip() if stopped.exists() else "none")
     return 0
 
 

@@ -20,7 +20,7 @@ from . import files
 from .errors import CheckpointError, CorruptCheckpointError
 from .pieces import ITEMSIZE, STORAGE_DTYPE, TORCH_DTYPES, chunk_key, numpy_to_tensor, validate_name
 from .policy import check_array_json, load_json
-from .verify import find_problems
+from .verify import chunk_files, find_problems
 
 CORRUPT_ADVICE = ("this checkpoint is corrupt: give an older step_XXXXXXXX directory beside it instead (`python -m "
                   "checkpoints verify ROOT --all` shows which verify; a training run falls back to one by itself)")
@@ -50,7 +50,13 @@ def find_checkpoints(root) -> list[Path]:
 
 
 class CheckpointReader:
-    """One committed checkpoint directory. Construction reads metadata.json and manifest.json only."""
+    """One committed checkpoint directory. Construction reads metadata.json and manifest.json only.
+
+    It counts what it reads, so that a resume can say what it cost: `bytes_read` is the bytes of the chunk files
+    that read() fetched (zarr reads a chunk whole, so a region that cuts a chunk counts the whole chunk), by array in
+    `bytes_by_array`; `bytes_verified` the bytes of the files verify() checksummed (their sizes in the manifest,
+    metadata.json and the arrays' zarr.json included). The JSON files read to open the checkpoint and its arrays
+    are not counted."""
 
     def __init__(self, path):
         self.path = Path(path)
@@ -65,6 +71,13 @@ class CheckpointReader:
         self._arrays = {name: ArrayInfo(tuple(a["shape"]), TORCH_DTYPES[a["dtype"]], tuple(a["chunks"]))
                         for name, a in self.metadata["arrays"].items()}
         self._opened: dict[str, zarr.Array] = {}
+        self.bytes_by_array: dict[str, int] = {}
+        self.bytes_verified = 0
+
+    @property
+    def bytes_read(self) -> int:
+        """Chunk-file bytes fetched by read() so far (see the class docstring)."""
+        return sum(self.bytes_by_array.values())
 
     @property
     def arrays(self) -> dict[str, ArrayInfo]:
@@ -79,6 +92,7 @@ class CheckpointReader:
         """Check size and checksum of every file of these arrays (None: all files); CorruptCheckpointError naming
         the array, the file and what is wrong."""
         found = self.problems(names)
+        self.bytes_verified += self._file_bytes(names)
         if found:
             more = f" (and {len(found) - 1} more problems)" if len(found) > 1 else ""
             raise CorruptCheckpointError(f"{self.path}: {found[0]}{more}; {CORRUPT_ADVICE}")
@@ -95,13 +109,25 @@ class CheckpointReader:
         if math.prod(shape) == 0:
             return torch.empty(shape, dtype=info.dtype)
         array = self._open(name, info)
-        self._check_chunk_sizes(name, info, offsets, shape)
+        fetched = self._check_chunk_sizes(name, info, offsets, shape)
         try:
             data = array[tuple(slice(o, o + s) for o, s in zip(offsets, shape))] if shape else array[...]
         except Exception as exc:  # zarr/numpy errors on damaged chunks
             raise CorruptCheckpointError(f"{self.path}: array {name!r}: reading {offsets}+{shape} failed ({exc}); "
                                          "run verify() and load an older checkpoint") from exc
+        self.bytes_by_array[name] = self.bytes_by_array.get(name, 0) + fetched
         return numpy_to_tensor(data, info.dtype_name)
+
+    def _file_bytes(self, names) -> int:
+        """Bytes of the files verify(names) checksums, as the manifest lists them (names None: every file)."""
+        listed = self.manifest["files"]
+        if names is None:
+            return sum(int(v.get("size", 0)) for v in listed.values())
+        rels = ["metadata.json"]
+        for name in names:
+            info = self._arrays[name]
+            rels += [f"{name}/zarr.json", *chunk_files(name, info.shape, info.chunks)]
+        return sum(int(listed[r].get("size", 0)) for r in rels if r in listed)
 
     def _known(self, names):
         if names is None:
@@ -119,11 +145,14 @@ class CheckpointReader:
             self._opened[name] = zarr.open_array(store=str(self.path / name), mode="r", zarr_format=3)
         return self._opened[name]
 
-    def _check_chunk_sizes(self, name, info: ArrayInfo, offsets, shape) -> None:
-        """Every chunk the region touches must exist with exactly one chunk's bytes (what our writer wrote)."""
+    def _check_chunk_sizes(self, name, info: ArrayInfo, offsets, shape) -> int:
+        """Every chunk the region touches must exist with exactly one chunk's bytes (what our writer wrote); returns
+        the bytes of those chunks (what zarr fetches for the region)."""
         want = math.prod(info.chunks) * ITEMSIZE[info.dtype_name]
         ranges = [range(o // c, (o + s - 1) // c + 1) for o, s, c in zip(offsets, shape, info.chunks)]
+        touched = 0
         for idx in itertools.product(*ranges):
+            touched += 1
             rel = f"{name}/{chunk_key(idx)}"
             try:
                 size = (self.path / rel).stat().st_size
@@ -133,6 +162,7 @@ class CheckpointReader:
                 what = "missing" if size is None else f"{size} bytes, a chunk has {want}"
                 raise CorruptCheckpointError(f"{self.path}: array {name!r}: chunk file {rel} {what}; "
                                              f"{CORRUPT_ADVICE}")
+        return touched * want
 
 
 def open_newest_valid(root, names=None, on_fallback: Callable[[str], object] | None = print) -> CheckpointReader:

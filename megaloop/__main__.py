@@ -2,7 +2,8 @@
 `python -m megaloop peak` (the CPU peak MFU divides by), `python -m megaloop preflight` (every communication
 path of a job, checked and timed), `python -m megaloop eval|generate CHECKPOINT` (evaluation and sampling),
 `python -m megaloop laws fit` (scaling laws with intervals), `python -m megaloop plot RUN_DIR` (a run's curves
-as PNGs) and `python -m megaloop repro` (the paper's claims reproduced from runs, docs/reproduction.md)."""
+as PNGs), `python -m megaloop repro` (the paper's claims reproduced from runs, docs/reproduction.md) and
+`python -m megaloop status RUN_DIR` (a running or finished run's ranks, stragglers, hung ranks and restarts)."""
 from __future__ import annotations
 
 import argparse
@@ -54,6 +55,10 @@ def _parser() -> argparse.ArgumentParser:
     from megaloop.repro import cli as repro_cli
 
     repro_cli.add_arguments(sub.add_parser("repro", help=repro_cli.HELP, description=repro_cli.HELP))
+    from megaloop.status import cli as status_cli
+
+    status_cli.add_arguments(sub.add_parser("status", help=status_cli.HELP, description=status_cli.HELP + ". "
+                                            + status_cli.RULES))
     return ap
 
 
@@ -120,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
             from megaloop.repro.cli import main as run_repro
 
             return run_repro(args)
+        if args.command == "status":
+            from megaloop.status.cli import run_status
+
+            return run_status(args)
         if args.command == "plan":
             from megaloop.plan.cli import run_plan
 

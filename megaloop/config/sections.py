@@ -89,6 +89,9 @@ class DataConfig:
     prefetch_steps: int = 8  # streamed shards of the next prefetch_steps batches are downloaded ahead
     retries: int = 6  # attempts per object on connection resets, timeouts and 5xx, before a clear error
     retry_backoff_s: float = 0.5  # the first wait between attempts, doubled after each
+    max_epochs: int | None = None  # end the run (saved, COMPLETED) before a batch that would hold a sample of epoch
+    #                                 max_epochs (0-based), i.e. after max_epochs passes over the corpus (of a mix:
+    #                                 over the first of its corpora to get there)
 
     def validate(self) -> None:
         for name in ("micro_batch_size", "global_batch_size", "prefetch", "block_shards", "retries"):
@@ -110,6 +113,10 @@ class DataConfig:
                               min(self.prefetch_steps, self.retry_backoff_s), "must be >= 0")
         if self.val_batches < 0:
             raise ConfigError("data.val_batches", self.val_batches, "must be >= 0")
+        if self.max_epochs is not None and (isinstance(self.max_epochs, bool) or not isinstance(self.max_epochs, int)
+                                            or self.max_epochs < 1):
+            raise ConfigError("data.max_epochs", self.max_epochs, "must be an integer >= 1 (passes over the corpus) "
+                              "or null")
         check_choice("data.verify", self.verify, ("full", "fast", "none"))
         check_choice("data.on_corrupt", self.on_corrupt, ("error", "skip"))
 
@@ -135,9 +142,13 @@ class TrainConfig:
     time_limit_s: float | None = None  # this job's wall-clock budget: stop and save in time (also MEGALOOP_DEADLINE)
     max_consecutive_skips: int = 20  # stop when this many steps in a row had a non-finite gradient norm
     on_spike: str = "log"  # a loss spike (loss > rolling median + spike_k x MAD): log | skip (drop the step's
-    #                        update) | stop (save a checkpoint and stop); see megaloop/train/spikes.py
+    #                        update) | rollback (restore the last checkpoint, skip the batches up to the spike) |
+    #                        stop (stop without saving the damaged state); see megaloop/train/spikes.py
     spike_k: float = 6.0
     spike_window: int = 50  # the rolling median and MAD are over this many recent losses
+    rollback_skip: int = 16  # train.on_spike=rollback: global batches skipped, a window ending at the spike's
+    max_rollbacks: int = 3  # rollbacks in one run before a further spike stops it (as train.on_spike=stop)
+    heartbeat_every: int = 10  # each rank appends its progress to <out_dir>/heartbeat/ every N steps (0: never)
     activation_checkpointing: str = "none"  # none | block (recompute each block) | lap (recompute a whole kept lap)
     compile: bool | str = "auto"  # torch.compile each block once (the loop calls it T times; prefix sizes dynamic):
     #                               true | false | auto (on a GPU only: the CPU's compile time outweighs its gain)
@@ -178,7 +189,12 @@ class TrainConfig:
             raise ConfigError("train.time_limit_s", self.time_limit_s, "must be > 0 seconds or null")
         if self.max_consecutive_skips < 1:
             raise ConfigError("train.max_consecutive_skips", self.max_consecutive_skips, "must be >= 1")
-        check_choice("train.on_spike", self.on_spike, ("log", "skip", "stop"))
+        check_choice("train.on_spike", self.on_spike, ("log", "skip", "rollback", "stop"))
+        for name in ("rollback_skip", "max_rollbacks"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name}", getattr(self, name), "must be >= 1")
+        if self.heartbeat_every < 0:
+            raise ConfigError("train.heartbeat_every", self.heartbeat_every, "must be >= 0 (0: no heartbeat files)")
         if not self.spike_k > 0 or self.spike_window < 2:
             raise ConfigError("train.spike_k" if not self.spike_k > 0 else "train.spike_window",
                               self.spike_k if not self.spike_k > 0 else self.spike_window,
@@ -189,12 +205,15 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Sharded zarr checkpoints (checkpoints/; megaloop/train/checkpointing.py). A run saves at its end and every
+    """Sharded zarr checkpoints (checkpoints/; megaloop/train/checkpointing/). A run saves at its end and every
     `every` steps; re-running the same command (same out_dir, a larger train.steps) continues from the newest
     committed checkpoint by itself."""
 
     dir: str | None = None  # None: <train.out_dir>/checkpoints
-    every: int = 0  # 0: only at the end of the run (and at an agreed stop)
+    every: int = 0  # also every N steps (0: by steps never)
+    every_minutes: float | str = "auto"  # also every N minutes of training, agreed by every rank (0: never); auto:
+    #                                      the interval at which the measured save stall costs ~2% of the time,
+    #                                      within [AUTO_MIN_MINUTES, AUTO_MAX_MINUTES] (megaloop/train/cadence.py)
     keep: int = 2  # committed checkpoints kept (the newest)
     resume: str | None = None  # another run's checkpoint (a step directory or a checkpoint root) to start from
     load_optimizer: bool = True  # false: take the weights of checkpoint.resume only (new optimizer, data from 0)
@@ -202,7 +221,11 @@ class CheckpointConfig:
 
     def validate(self) -> None:
         if self.every < 0:
-            raise ConfigError("checkpoint.every", self.every, "must be >= 0 (0: save only at the end of the run)")
+            raise ConfigError("checkpoint.every", self.every, "must be >= 0 (0: no saves by step count)")
+        if self.every_minutes != "auto" and (isinstance(self.every_minutes, (bool, str))
+                                             or not self.every_minutes >= 0):
+            raise ConfigError("checkpoint.every_minutes", self.every_minutes, "must be auto, or minutes >= 0 "
+                              "(0: no time-based saves)")
         if self.keep < 1:
             raise ConfigError("checkpoint.keep", self.keep, "must be >= 1")
         for name in ("dir", "resume"):

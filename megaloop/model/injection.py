@@ -89,7 +89,7 @@ class ConcatInjection(nn.Module):
         super().__init__()
         self.d = d
         self.W = nn.Linear(2 * d, d, bias=False)
-        self._rho_cache: tuple[int, float] | None = None
+        self._rho_cache: tuple[torch.Tensor, float] | None = None  # (the W_1 it was computed from, rho)
 
     def forward(self, h: torch.Tensor | None, e: torch.Tensor | None = None, prepared=None):
         return _inject(self, h, e, prepared)
@@ -105,17 +105,25 @@ class ConcatInjection(nn.Module):
         return F.linear(h, self.W.weight[:, : self.d]) + term
 
     def rho_tensor(self) -> torch.Tensor:
-        """rho(W_1) as a 0-dim CPU tensor; computed at most once per weight version (once per optimizer step)."""
+        """rho(W_1) as a 0-dim CPU tensor; computed again only when W_1 has changed (once per optimizer step)."""
         return torch.tensor(self.spectral_radius(), dtype=upcast(self.W.weight.detach()[:0]).dtype)
 
     @torch.no_grad()
     def spectral_radius(self) -> float:
-        """rho(W_1), the state-to-state block; cached until the weight changes (eigvals of d x d is not free)."""
-        version = self.W.weight._version
-        if self._rho_cache is None or self._rho_cache[0] != version:
-            w1 = self.W.weight[:, : self.d].detach().double().cpu()
-            self._rho_cache = (version, float(torch.linalg.eigvals(w1).abs().max()))
+        """rho(W_1), the state-to-state block; cached while W_1 holds the same values (eigvals of d x d is not free).
+
+        The cache is keyed on W_1's values (a copy, compared exactly on its device), not on the parameter's version
+        counter: a parameter whose storage is a view of a flat buffer (the data-parallel gradient buffer, ZeRO-1's
+        all-gather) changes through other views of that storage without its own counter moving."""
+        w1 = self.W.weight[:, : self.d].detach()
+        if self._rho_cache is None or not _same_values(self._rho_cache[0], w1):
+            self._rho_cache = (w1.clone(), float(torch.linalg.eigvals(w1.double().cpu()).abs().max()))
         return self._rho_cache[1]
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold exactly the same values (same shape, dtype and device)."""
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
 
 
 def _inject(module: nn.Module, h, e, prepared):

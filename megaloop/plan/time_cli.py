@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 from megaloop.config import Config, ConfigError, load_config
+from megaloop.plan.checkpoint_cost import CheckpointCost, checkpoint_cost, checkpoint_lines
 from megaloop.plan.comm import Cluster, DpComm, Link
 from megaloop.plan.gpus import GPUS, Gpu
 from megaloop.plan.planner import Plan
@@ -38,6 +39,9 @@ def add_time_arguments(p) -> None:
     p.add_argument("--param-gather", choices=("exposed", "overlapped"), default="overlapped",
                    help="ZeRO-1 parameter all-gather after the optimizer step (exposed) or behind the next forward "
                    "(overlapped, the default)")
+    p.add_argument("--storage-gbps", type=float, default=10.0, metavar="B",
+                   help="aggregate write bandwidth of the checkpoint file system, GB/s (default 10): the checkpoint "
+                   "cost and what a failure loses")
     p.add_argument("--search", action="store_true", help="rank the layouts (tp, pp, dp, micro-batch, activation "
                    "checkpointing, grad_reduce_dtype) that fit the GPU by predicted step time")
     p.add_argument("--top", type=int, default=DEFAULT_TOP, metavar="K", help=f"--search: print the K fastest "
@@ -45,7 +49,7 @@ def add_time_arguments(p) -> None:
 
 
 def _check(args) -> None:
-    for name in ("mfu", "peak_tflops", "tokens", "intra_gbps", "inter_gbps", "top"):
+    for name in ("mfu", "peak_tflops", "tokens", "intra_gbps", "inter_gbps", "top", "storage_gbps"):
         value = getattr(args, name)
         if value is not None and not value > 0:
             raise ConfigError("--" + name.replace("_", "-"), value, "must be > 0")
@@ -91,24 +95,28 @@ class TimeSection:
     est: Estimate
     planner: Planner
     tokens: float | None
+    checkpoint: CheckpointCost
+    storage_gbps: float
 
     def merged(self, memory: dict) -> dict:
-        """The memory plan's dict with the time keys; its "layout" gains micro_batch, activation_checkpointing and
-        grad_reduce_dtype."""
+        """The memory plan's dict with the time keys and "checkpoint"; its "layout" gains micro_batch,
+        activation_checkpointing and grad_reduce_dtype."""
         out = self.est.as_dict(self.tokens)
         layout = memory.get("layout", {}) | out.pop("layout")
-        return memory | out | {"layout": layout}
+        return memory | out | {"layout": layout, "checkpoint": self.checkpoint.as_dict()}
 
     def text(self) -> str:
         p = self.planner
-        return "\n" + "\n".join(time_lines(self.est, self.tokens, p.device, p.cluster, p.comm))
+        lines = time_lines(self.est, self.tokens, p.device, p.cluster, p.comm)
+        return "\n" + "\n".join(lines + checkpoint_lines(self.checkpoint, self.est.plan.cfg, self.storage_gbps))
 
 
 def time_section(args, plan: Plan) -> TimeSection:
-    """The time plan of the memory plan `plan`."""
+    """The time plan of the memory plan `plan`, with what its checkpoints cost."""
     planner = planner_for(args, plan.cfg, plan.layout.world)
     est = Estimate(plan, time_plan(plan, planner.device, planner.cluster, planner.comm), peak_bytes(plan))
-    return TimeSection(est, planner, args.tokens)
+    cost = checkpoint_cost(plan, est.time.step_time_s, args.storage_gbps)
+    return TimeSection(est, planner, args.tokens, cost, args.storage_gbps)
 
 
 def run_search(args, overrides: list[str], world: int) -> int:

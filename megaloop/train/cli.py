@@ -32,20 +32,42 @@ def run_training(cfg: Config) -> int:
               file=sys.stderr)
         return STOP_EXIT_CODE
     except (TrainingDiverged, SaveFailed) as err:
+        note_error_for_launcher(err)
         print(f"megaloop: {err}", file=sys.stderr)
         return 1
     except (ConfigError, DataPrepError, ResumeError, FileNotFoundError) as err:
         return report_bad_input(f"megaloop: {err}")
     except LayoutError as err:
         return report_bad_input(f"megaloop: parallel layout error: {err}")
+    except Exception as err:  # a bug, a lost peer, a timed-out collective: the traceback follows
+        note_error_for_launcher(err)
+        raise
     if summary.is_main and not summary.nothing_to_do:  # a job that trained nothing has said so in one line
         print(format_summary(cfg, summary))
     if summary.interrupted:
-        if summary.is_main:
+        if summary.is_main and summary.spike_stop:
+            print(f"megaloop: stopped after {summary.steps_done} steps ({summary.stop_reason}) without saving the "
+                  f"state after the spike; run the same command again to continue from the checkpoint before it, "
+                  f"once the cause is dealt with (exit code {STOP_EXIT_CODE})", file=sys.stderr)
+        elif summary.is_main:
             print(f"megaloop: stopped after step {summary.steps_done} ({summary.stop_reason}) and saved a "
                   f"checkpoint; run the same command again to continue (exit code {STOP_EXIT_CODE})", file=sys.stderr)
         return STOP_EXIT_CODE
     return 0
+
+
+def note_error_for_launcher(err: BaseException) -> None:
+    """Under torchrun (TORCHELASTIC_ERROR_FILE set), the error's type and message into the worker's error file: the
+    launcher (torchrun's failure table, slurm.agent's failure record) names it as the cause. Call inside `except`."""
+    import os
+
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        try:
+            ErrorHandler().record_exception(err)
+        except OSError:
+            pass
 
 
 ERROR_DIR_ENV = "MEGALOOP_ERROR_DIR"  # set by `megaloop launch`: where each rank leaves its bad-input line

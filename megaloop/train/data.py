@@ -108,6 +108,14 @@ class ShardData:
                                                 rows=self.val_row_count))
         return self._val
 
+    def epoch_of(self, batch: int) -> int:
+        """The newest epoch among the samples of global batch `batch` (the same on every rank: a function of the
+        order alone; of a mix, the newest of its corpora's)."""
+        import numpy as np
+
+        G = self.cfg.data.global_batch_size
+        return int(self.loader.order.rows_at(np.arange(batch * G, (batch + 1) * G, dtype=np.int64))[1].max())
+
     def stream_stats(self) -> dict:
         """This process's shard I/O so far: bytes_downloaded, downloads, hits, hit_ratio, retries, evicted (a
         local directory: zeros and ratio 1) and shards_skipped (left out under data.on_corrupt=skip)."""
@@ -119,6 +127,15 @@ class ShardData:
     def load_state_dict(self, state: dict) -> None:
         """Continue reading from `state` (a resumed run's position, from state_dict)."""
         self.loader.load_state_dict(state)
+        self._ahead = None
+
+    def seek(self, batch: int) -> None:
+        """Make global batch `batch` the next one train_batches() yields (a rollback's skipped window); nothing to do
+        when it is already (a batch read ahead by read_first_batch is kept then)."""
+        position = self.loader.step - (1 if self._ahead is not None else 0)
+        if batch != position:
+            self.loader.load_state_dict({**self.loader.state_dict(), "step": batch})
+            self._ahead = None
 
     def close(self) -> None:
         self.loader.close()

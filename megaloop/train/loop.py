@@ -17,6 +17,8 @@ from megaloop.model import build_model, count_parameters
 from megaloop.optim import build_optimizer
 from megaloop.train.build import InitSplit, empty_parameters, held_parameters
 from megaloop.train.data import open_data
+from megaloop.train.faults import Faults
+from megaloop.train.heartbeat import Heartbeat
 from megaloop.train.evaluate import default_val_depths, final_val_depths, validation_losses
 from megaloop.train.flops import FlopModel
 from megaloop.train.hardware import bf16_support
@@ -27,11 +29,13 @@ from megaloop.train.peak import (PeakGuard, core_share, cpu_peak, local_processe
 from megaloop.train.precision import PrecisionChoice, apply_optimizer_precision, param_dtype, resolve_precision
 from megaloop.train.metrics import MetricsWriter
 from megaloop.train.progress import Progress
+from megaloop.train.restarts import record_restarts
 from megaloop.train.protocols import DataSource, TrainerRuntime
 from megaloop.train.runtime import set_phase_timeout
-from megaloop.train.spikes import SpikeMonitor, stop_message
+from megaloop.train.cadence import Cadence
+from megaloop.train.spikes import SkipWindows, SpikeMonitor, stop_message
 from megaloop.train.step import StepTimer, reduce_step, schedule_ahead, train_step
-from megaloop.train.stopping import StartupStop, StopRequests, deadline_from
+from megaloop.train.stopping import SAVE_DUE_CODE, StartupStop, StopRequests, deadline_from
 
 
 @dataclass
@@ -66,6 +70,10 @@ class RunSummary:
     val: dict = field(default_factory=dict)
     losses: list = field(default_factory=list)
     nothing_to_do: bool = False  # the run was already at train.steps: this job trained nothing (rerun.py)
+    epoch: int = 0  # the epoch of the last step's samples (0-based)
+    rollbacks: list = field(default_factory=list)  # train.on_spike=rollback's "rollback" records in this job
+    spike_stop: bool = False  # stopped for a loss spike: nothing saved after it, not to be requeued
+    restarts: list = field(default_factory=list)  # the run's "restart" records so far (megaloop.train.restarts)
 
     @property
     def tokens_per_s(self) -> float:
@@ -76,6 +84,9 @@ class RunSummary:
         d["tokens_per_s"] = self.tokens_per_s
         d["val"] = {str(k): v for k, v in self.val.items()}
         return d
+
+
+TEARDOWN_AFTER_ERROR_S = 5.0  # the process groups' last barrier, after an error (see close_runtime)
 
 
 class TrainingDiverged(RuntimeError):
@@ -126,6 +137,8 @@ def _train(cfg: Config, runtime: TrainerRuntime | None) -> RunSummary:
         owns_runtime = runtime is None
         runtime = runtime or make_runtime(cfg, device)
         out_dir = Path(cfg.train.out_dir)
+        faults = Faults(runtime.rank, out_dir)  # MEGALOOP_FAULTS (tests and drills only)
+        faults.at_start()
         data = open_data(cfg, runtime.dp_rank, runtime.dp_size, runtime.layout, device,  # fails early on bad data
                          gather=runtime.all_gather_object)
         ckpt = RunCheckpoints(cfg, runtime)
@@ -139,16 +152,31 @@ def _train(cfg: Config, runtime: TrainerRuntime | None) -> RunSummary:
             if not idle:
                 data.read_first_batch()  # a data error surfaces before the run's folder or files are made
             summary = (recorded_summary(cfg, runtime, start, ckpt.tokens_before) if idle else
-                       _run(cfg, runtime, model, optimizer, data, ckpt, start, device, choice, flag))
+                       _run(cfg, runtime, model, optimizer, data, ckpt, start, device, choice, flag, faults))
         finally:
             ckpt.close()
             data.close()
             model = optimizer = None  # tensor-parallel layers and distributed optimizers hold process groups:
             if owns_runtime:          # free them before the runtime tears the groups down (pipeline.layout)
-                runtime.close()
+                close_runtime(runtime, failing=sys.exc_info()[1] is not None)
     if runtime.is_main and not idle:
         (out_dir / "summary.json").write_text(json.dumps(summary.as_dict(), indent=2))
     return summary
+
+
+def close_runtime(runtime: TrainerRuntime, failing: bool) -> None:
+    """Tear the process groups down. While an error propagates (a dead or hung peer may be why) the teardown's
+    barrier gets TEARDOWN_AFTER_ERROR_S instead of the step timeout and its own failure is dropped: a rank whose
+    collective timed out then exits at once, so that the launcher can end the hung rank and restart the job within
+    parallel.timeout_s of the hang, and the original error is the one reported."""
+    if not failing:
+        runtime.close()
+        return
+    try:
+        set_phase_timeout(runtime, TEARDOWN_AFTER_ERROR_S)
+        runtime.close()
+    except Exception:
+        pass
 
 
 def choose_precision(cfg: Config, device: torch.device) -> PrecisionChoice:
@@ -200,7 +228,7 @@ def init_split(runtime: TrainerRuntime) -> InitSplit | None:
 
 
 def _run(cfg, runtime: TrainerRuntime, model, optimizer, data: DataSource, ckpt, start, device,
-         choice: PrecisionChoice, flag) -> RunSummary:
+         choice: PrecisionChoice, flag, faults: Faults) -> RunSummary:
     """Steps start .. train.steps (or until an agreed stop), the checkpoints, then the final validation."""
     out_dir = Path(cfg.train.out_dir)
     sampler = make_sampler(cfg.model.depth_sampler, cfg.model.mu_rec, cfg.model.backprop_depth, seed=cfg.train.seed)
@@ -219,20 +247,27 @@ def _run(cfg, runtime: TrainerRuntime, model, optimizer, data: DataSource, ckpt,
     writer = MetricsWriter(out_dir, enabled=runtime.is_main)
     ckpt.mark(None)
     if start:
-        writer.write({"kind": "resume", "step": start, "from": ckpt.resumed_from or ""})
+        writer.write({"kind": "resume", "step": start, "from": ckpt.resumed_from or "", **ckpt.resume_io.as_record()})
+    if runtime.is_main:  # an attempt after failures: what each cost (cause, rank, node, steps and time lost)
+        summary.restarts = record_restarts(out_dir, start, writer.write)
     val_depths = cfg.train.val_depths or default_val_depths(cfg.model.mu_rec, cfg.model.is_looped)
     progress = Progress(cfg.train.steps, enabled=runtime.is_main and cfg.train.progress, initial=start)
+    heartbeat = Heartbeat(out_dir, runtime.rank, cfg.train.heartbeat_every)
     try:
         ckpt.record = writer.write  # a failed save leaves a metrics record
         flag.begin_steps(deadline_from(cfg.train.time_limit_s))  # signals now ask for the agreed stop
         set_phase_timeout(runtime, cfg.parallel.timeout_s)  # the step timeout from here (saves: the start-up one)
-        _run_steps(cfg, model, optimizer, sampler, FlopModel.of(cfg.model), data, runtime, writer, progress,
-                   summary, flag, val_depths, ckpt, guard)
+        heartbeat.start(start)
+        skips = _run_steps(cfg, model, optimizer, sampler, FlopModel.of(cfg.model), data, runtime, writer, progress,
+                   summary, flag, val_depths, ckpt, guard, heartbeat, faults)
+        heartbeat.close(summary.steps_done)
         _note_peak(summary, guard)
-        if summary.steps_done > start:  # must land: a failure raises SaveFailed, and no marker is written
-            ckpt.save(summary.steps_done, model, optimizer, data, summary.job_tokens, wait=True)
+        if summary.steps_done > start and not summary.spike_stop:  # must land: a failure raises SaveFailed, and
+            ckpt.save(summary.steps_done, model, optimizer, data, summary.tokens,  # no marker is written
+                      data_step=skips.batch_of(summary.steps_done), wait=True)
         if summary.interrupted:  # before any rank can exit (a launcher may then signal the others)
-            ckpt.mark("STOPPED", step=summary.steps_done, reason=summary.stop_reason)
+            ckpt.mark("STOPPED", step=ckpt.last_saved_step or 0 if summary.spike_stop else summary.steps_done,
+                      reason=summary.stop_reason, **({"requeue": False} if summary.spike_stop else {}))
         runtime.barrier()  # every rank leaves after rank 0 committed the checkpoint
         if not summary.interrupted and summary.steps_done > start:
             summary.val = validation_losses(model, data.val_batches(), final_val_depths(cfg, val_depths),
@@ -241,7 +276,8 @@ def _run(cfg, runtime: TrainerRuntime, model, optimizer, data: DataSource, ckpt,
             for depth, v in summary.val.items():
                 writer.write({"kind": "val", "step": summary.steps_done, "T": depth, **v})
         if not summary.interrupted:
-            ckpt.mark("COMPLETED", step=summary.steps_done)
+            ckpt.mark("COMPLETED", step=summary.steps_done,
+                      **({"reason": summary.stop_reason} if summary.stop_reason else {}))
     finally:
         ckpt.record = lambda record: None
         progress.close()
@@ -297,28 +333,43 @@ def _note_attention(summary, main: bool) -> None:
 
 
 def _run_steps(cfg, model, optimizer, sampler, flop_model, data: DataSource, runtime: TrainerRuntime, writer,
-               progress, summary, flag, val_depths, ckpt, guard) -> None:
+               progress, summary, flag, val_depths, ckpt, guard, heartbeat: Heartbeat, faults: Faults) -> SkipWindows:
     model.train()
-    batches = data.train_batches()
+    feed = BatchFeed(data, cfg, runtime.is_main)
+    ckpt.track("skip_windows", feed.skips)  # the batches rollbacks skip, and the loader's offset from the step
     consecutive_skips = 0
     spikes = SpikeMonitor(cfg.train, runtime)
     ckpt.track("spike_detector", spikes)  # its window is saved, and restored from the resumed checkpoint
+    cadence = Cadence(cfg.checkpoint.every_minutes)
     timer = StepTimer(runtime.device)  # one over the steps: on a GPU each step's times are read at the next
     reset_kernel_calls()
-    for step in range(summary.start_step, cfg.train.steps):
+    step = summary.start_step
+    while step < cfg.train.steps:
         t0 = time.perf_counter()
-        batch = next(batches)
+        batch = feed.next(step)
+        if batch is None:  # data.max_epochs: the run is complete
+            summary.stop_reason = f"data.max_epochs={cfg.data.max_epochs} reached"
+            break
         t_data = time.perf_counter() - t0
+        if faults:
+            batch = faults.corrupt(step, batch, cfg.model.vocab_size)
+            faults.in_step()
         depth_sample = sampler.sample(step, batch["sample_index"])
+        due = functools.partial(cadence.due, ckpt.slowest_stall_s, ckpt.slowest_write_s)
         stats = train_step(model, optimizer, batch, depth_sample, step, cfg.train.seed, cfg, runtime, flop_model,
-                           timer=timer, stop_code=functools.partial(_stop_code, flag, ckpt, t0), veto=spikes.veto)
+                           timer=timer, stop_code=functools.partial(_stop_code, flag, ckpt, t0, heartbeat, due),
+                           veto=spikes.veto)
         flag.note_step(time.perf_counter() - t0)
         figures = reduce_step(stats, runtime)  # the step's one reduction (launched inside the step), read here
         dt = time.perf_counter() - t0
         record = _train_record(step, stats, figures, t_data, dt, summary, optimizer, guard)
+        record["epoch"] = summary.epoch = feed.epoch
         _note_data(record, summary, data, t_data)
         _note_gpu_memory(record, summary, runtime.device)
         summary.steps_done = step + 1
+        heartbeat.beat(step + 1, dt, last=step + 1 == cfg.train.steps)
+        if faults:
+            faults.after_step(step)
         summary.losses.append(record["loss"])
         if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1:
             writer.write(record)
@@ -331,18 +382,17 @@ def _run_steps(cfg, model, optimizer, sampler, flop_model, data: DataSource, run
             _note_attention(summary, runtime.is_main)
         consecutive_skips = consecutive_skips + 1 if record["skipped"] else 0
         if consecutive_skips >= cfg.train.max_consecutive_skips:
-            reduced = cfg.train.precision not in ("fp32", "fp64")  # fp32 is advice only where it is more precise
-            raise TrainingDiverged(
-                f"stopped at step {step}: the last {consecutive_skips} steps were all skipped because the gradient "
-                "norm was not finite (likely causes: a learning rate too high for this model, "
-                f"{'overflow in reduced precision, ' if reduced else ''}or corrupt data); lower optim.matrix_lr / "
-                f"optim.adam_lr, {'try train.precision=fp32, ' if reduced else ''}or raise "
-                "train.max_consecutive_skips")
+            raise TrainingDiverged(_diverged_message(cfg, step, consecutive_skips))
         done = step + 1
-        if spike is not None and spikes.stops:
-            if runtime.is_main:
-                print(stop_message(spike, cfg.train.out_dir), file=sys.stderr, flush=True)
-            summary.interrupted, summary.stop_reason = True, f"loss spike at step {step} (train.on_spike=stop)"
+        if spike is not None and spikes.action == "rollback":
+            restored = _roll_back(cfg, spike, int(batch["step"]), model, optimizer, data, ckpt, spikes, feed, summary,
+                                  writer, runtime.is_main)
+            if restored is not None:
+                cadence.saved()  # the restored state is as old as its checkpoint: the interval starts again
+                step = restored
+                continue
+        if spike is not None and spikes.action in ("stop", "rollback"):
+            _stop_for_spike(cfg, spike, ckpt, summary, runtime.is_main)
             break
         if flag.decide(figures.stop_code):  # every rank saw the same code: all stop after this step
             summary.interrupted, summary.stop_reason = True, flag.reason
@@ -350,14 +400,114 @@ def _run_steps(cfg, model, optimizer, sampler, flop_model, data: DataSource, run
         if cfg.train.stop_at_step is not None and done >= cfg.train.stop_at_step and done < cfg.train.steps:
             summary.interrupted, summary.stop_reason = True, f"train.stop_at_step={cfg.train.stop_at_step}"
             break
-        if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < cfg.train.steps:
-            ckpt.save(done, model, optimizer, data, summary.job_tokens)
+        by_steps = cfg.checkpoint.every and done % cfg.checkpoint.every == 0
+        if (by_steps or figures.stop_code == SAVE_DUE_CODE) and done < cfg.train.steps:
+            cadence.saved()  # the interval runs from save to save (a slow save does not stretch it)
+            ckpt.save(done, model, optimizer, data, summary.tokens, data_step=feed.skips.batch_of(done))
         if done % cfg.train.val_every == 0 and done < cfg.train.steps:
             val = validation_losses(model, data.val_batches(), val_depths, cfg.train.seed, cfg.train.precision,
                                     runtime.device, runtime, data.bytes_per_token)
             for depth, v in val.items():
                 writer.write({"kind": "val", "step": done, "T": depth, **v})
             progress.note(" ".join(f"T{t}:{v['val_loss']:.3f}" for t, v in val.items()))
+        step = done
+    return feed.skips
+
+
+def _diverged_message(cfg, step: int, skips: int) -> str:
+    reduced = cfg.train.precision not in ("fp32", "fp64")  # fp32 is advice only where it is more precise
+    return (f"stopped at step {step}: the last {skips} steps were all skipped because the gradient "
+            "norm was not finite (likely causes: a learning rate too high for this model, "
+            f"{'overflow in reduced precision, ' if reduced else ''}or corrupt data); lower optim.matrix_lr / "
+            f"optim.adam_lr, {'try train.precision=fp32, ' if reduced else ''}or raise "
+            "train.max_consecutive_skips")
+
+
+def _roll_back(cfg, spike, spike_batch: int, model, optimizer, data: DataSource, ckpt, spikes, feed, summary,
+               writer, is_main: bool) -> int | None:
+    """train.on_spike=rollback: restore the newest checkpoint from before the spike's step, skip the global batches
+    of a window ending at the spike's (train.rollback_skip of them, none before the checkpoint's position), record
+    it; the step to continue from, or None when there is nothing to roll back to or the rollbacks are used up (the
+    run then stops as under train.on_spike=stop)."""
+    skips = feed.skips
+    if skips.rollbacks >= cfg.train.max_rollbacks:
+        summary.stop_reason = f"train.max_rollbacks={cfg.train.max_rollbacks} used up"
+        return None
+    restored = ckpt.roll_back(model, optimizer, data, before_step=spike.step, keep=("skip_windows",))
+    if restored is None:
+        summary.stop_reason = "no checkpoint from before the spike to roll back to"
+        return None
+    position = data.state_dict()["step"]  # the restored checkpoint's global batch
+    first = max(position, spike_batch - cfg.train.rollback_skip + 1)
+    skips.rolled_back(offset=position - restored, first=first, last=spike_batch)
+    feed.restart()
+    G = cfg.data.global_batch_size
+    record = {"kind": "rollback", "step": spike.step, "restored_step": restored,
+              "skipped_batches": list(range(first, spike_batch + 1)),
+              "skipped_samples": [[first * G, (spike_batch + 1) * G]], "rollbacks": skips.rollbacks}
+    writer.write(record)
+    summary.rollbacks.append(record)
+    if is_main:
+        print(f"megaloop: loss spike at step {spike.step} (loss {spike.loss:.4g} > threshold "
+              f"{spike.threshold:.4g}): rolled back to the checkpoint of step {restored} and skipping global batches "
+              f"{first}..{spike_batch} (samples {first * G}..{(spike_batch + 1) * G - 1}); rollback "
+              f"{skips.rollbacks} of at most {cfg.train.max_rollbacks}", file=sys.stderr, flush=True)
+    del summary.losses[max(restored - summary.start_step, 0):]
+    summary.start_step = min(summary.start_step, restored)
+    summary.steps_done, summary.tokens = restored, ckpt.tokens_before
+    return restored
+
+
+def _stop_for_spike(cfg, spike, ckpt, summary, is_main: bool) -> None:
+    """train.on_spike=stop (or a rollback that could not be made): stop without saving the state the spike's step
+    left, and set aside any checkpoint of the spike's step or later, so that the newest checkpoint is one from
+    before it; the STOPPED marker then says not to requeue (the run needs a person: a lower learning rate, other
+    data)."""
+    why = summary.stop_reason
+    ckpt.set_aside_from(spike.step, suffix="after-spike")
+    summary.interrupted, summary.spike_stop = True, True
+    summary.stop_reason = f"loss spike at step {spike.step} (train.on_spike={cfg.train.on_spike}" + \
+        (f": {why})" if why else ")")
+    if is_main:
+        print(stop_message(spike, cfg.train.out_dir, why), file=sys.stderr, flush=True)
+
+
+class BatchFeed:
+    """The training batches in step order: global batch step + offset, jumping over the windows that rollbacks skip
+    (spikes.SkipWindows), stopping at data.max_epochs, and saying once when the corpus wraps."""
+
+    def __init__(self, data: DataSource, cfg, is_main: bool):
+        self.data, self.cfg, self.is_main = data, cfg, is_main
+        self.skips = SkipWindows()
+        self.batches = None
+        self.next_batch: int | None = None  # the loader's position, once known
+        self.epoch = 0
+        self._warned = False
+
+    def restart(self) -> None:
+        """The loader was repositioned (a rollback loaded a checkpoint): read from its new position."""
+        self.batches, self.next_batch = None, None
+
+    def next(self, step: int) -> dict | None:
+        """The batch of `step` (None: data.max_epochs is reached before it)."""
+        want = self.skips.advance(step)
+        epoch = self.data.epoch_of(want)
+        if self.cfg.data.max_epochs is not None and epoch >= self.cfg.data.max_epochs:
+            return None
+        if self.batches is None or want != self.next_batch:
+            self.data.seek(want)  # nothing to do when the loader is there already
+            self.batches = self.data.train_batches()
+        batch = next(self.batches)
+        got = int(batch["step"])
+        if got != want:
+            raise RuntimeError(f"the data loader gave global batch {got} for step {step}, not {want}")
+        self.next_batch = want + 1
+        if epoch > self.epoch and not self._warned and self.is_main:
+            print(f"megaloop: warning: the corpus wrapped: step {step} reads epoch {epoch} (the training data is "
+                  f"seen again; data.max_epochs ends a run after a number of passes)", file=sys.stderr, flush=True)
+            self._warned = True
+        self.epoch = epoch
+        return batch
 
 
 def _note_data(record: dict, summary: RunSummary, data: DataSource, t_data: float) -> None:
@@ -369,12 +519,15 @@ def _note_data(record: dict, summary: RunSummary, data: DataSource, t_data: floa
     record["data_bytes_downloaded"], record["data_cache_hit_ratio"] = io["bytes_downloaded"], io["hit_ratio"]
 
 
-def _stop_code(flag, ckpt, t0: float) -> int:
+def _stop_code(flag, ckpt, t0: float, heartbeat: Heartbeat, save_due) -> int:
     """This rank's stop code, taken inside the step when its statistics are packed (after the micro-batches): the
-    step so far counts towards the slowest step (the time budget's margin), as does the slowest save."""
+    step so far counts towards the slowest step (the time budget's margin), as does the slowest save. The step so
+    far is also this rank's own time in the step (its data, forward and backward, before it waits for the other
+    ranks at the step's reduction): the heartbeat's busy time, which shows a straggler where wall times do not."""
+    heartbeat.ready(time.perf_counter() - t0)
     flag.note_step(time.perf_counter() - t0)
     flag.note_save(ckpt.slowest_save_s)
-    return flag.local_code()
+    return flag.local_code() or (SAVE_DUE_CODE if save_due() else 0)
 
 
 def _note_gpu_memory(record: dict, summary, device: torch.device) -> None:

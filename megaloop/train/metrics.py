@@ -1,10 +1,12 @@
 """metrics.jsonl (one JSON object per line) and TensorBoard event files, with the documented schema.
 
-Five record kinds share the file: "train" (one per optimizer step), "val" (one per validation depth T),
+Seven record kinds share the file: "train" (one per optimizer step), "val" (one per validation depth T),
 "resume" (a job continued the run from a checkpoint: the records of later steps that an earlier job may have
 written before it stopped are superseded by those after this line) and "checkpoint_failed" (the save of `step` was
 not committed; `fatal`: it ended the run, see megaloop.train.checkpointing.RunCheckpoints.wait) and "spike" (a
-loss spike, with rho(A) and ||h_T|| at that step and the action train.on_spike took; megaloop.train.spikes).
+loss spike, with rho(A) and ||h_T|| at that step and the action train.on_spike took; megaloop.train.spikes),
+"restart" (an attempt that resumed after a failure; megaloop.train.restarts) and "rollback" (train.on_spike=rollback
+restored a checkpoint and skipped batches).
 SCHEMA below is the contract that tests validate and the README documents.
 """
 from __future__ import annotations
@@ -26,15 +28,27 @@ TRAIN_FIELDS = {
     "time_step": NUMBER,
     "data_bytes_downloaded": int, "data_cache_hit_ratio": NUMBER,  # this rank's node-cache figures so far
     "gpu_max_allocated": NUMBER, "gpu_max_reserved": NUMBER,  # this rank's CUDA allocator peaks so far (NaN: CPU)
+    "epoch": int,  # the epoch of the step's last sample (0-based: 1 once the corpus has wrapped)
 }
 VAL_FIELDS = {"kind": str, "step": int, "T": int, "val_loss": NUMBER, "val_bpb": NUMBER, "tokens": int,
               "rows": int}
-RESUME_FIELDS = {"kind": str, "step": int, "from": str}  # a job continued the run from a checkpoint at `step`
+# a job continued the run from a checkpoint at `step`; the bytes the resume read from it (verification and load) over
+# all ranks and on the rank that read most (megaloop.train.resume_io)
+RESUME_FIELDS = {"kind": str, "step": int, "from": str, "bytes_read": int, "bytes_read_max_rank": int}
 CHECKPOINT_FAILED_FIELDS = {"kind": str, "step": int, "error": str, "in_a_row": int, "fatal": bool}
 SPIKE_FIELDS = {"kind": str, "step": int, "loss": NUMBER, "median": NUMBER, "mad": NUMBER, "threshold": NUMBER,
                 "rho_A": NUMBER, "state_norm": NUMBER, "action": str}  # a loss spike (megaloop.train.spikes)
+# a job attempt that resumed after a failure (a rank died or hung): what failed, where, and what it cost; `step` is
+# the step the attempt resumed from, `rank` -1 and `node` "" when no rank could be named
+RESTART_FIELDS = {"kind": str, "step": int, "attempt": int, "cause": str, "rank": int, "node": str,
+                  "steps_lost": int, "time_lost_s": NUMBER}
+# train.on_spike=rollback: the spike at `step`, the checkpoint restored, the global batches skipped (a window ending
+# at the spike) and their run-wide sample indices as [start, stop) ranges, the rollbacks so far
+ROLLBACK_FIELDS = {"kind": str, "step": int, "restored_step": int, "skipped_batches": list, "skipped_samples": list,
+                   "rollbacks": int}
 SCHEMA = {"train": TRAIN_FIELDS, "val": VAL_FIELDS, "resume": RESUME_FIELDS,
-          "checkpoint_failed": CHECKPOINT_FAILED_FIELDS, "spike": SPIKE_FIELDS}
+          "checkpoint_failed": CHECKPOINT_FAILED_FIELDS, "spike": SPIKE_FIELDS, "restart": RESTART_FIELDS,
+          "rollback": ROLLBACK_FIELDS}
 
 
 def validate_record(record: dict) -> None:
@@ -81,6 +95,10 @@ class MetricsWriter:
             return
         if record["kind"] == "spike":
             self._tb.add_scalar("spike/loss", record["loss"], step)
+            return
+        if record["kind"] == "restart":
+            self._tb.add_scalar("restart/steps_lost", record["steps_lost"], step)
+            self._tb.add_scalar("restart/time_lost_s", record["time_lost_s"], step)
             return
         if record["kind"] == "val":
             self._tb.add_scalar(f"val/loss_T{record['T']}", record["val_loss"], step)

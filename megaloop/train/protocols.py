@@ -147,6 +147,9 @@ class DataSource(Protocol):
     def val_batches(self) -> list[dict]:
         """The validation batches (the same at every call), empty without a validation split."""
 
+    def epoch_of(self, batch: int) -> int:
+        """The newest epoch among the samples of global batch `batch`, the same on every rank."""
+
     def stream_stats(self) -> dict:
         """Shard I/O so far: bytes_downloaded, hit_ratio (node cache), shards_skipped, ..."""
 
@@ -155,6 +158,9 @@ class DataSource(Protocol):
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a position state_dict returned (a resumed run)."""
+
+    def seek(self, batch: int) -> None:
+        """Make global batch `batch` the next one train_batches() yields (nothing to do when it is already)."""
 
     def close(self) -> None:
         """Stop the prefetch thread and release the files and groups the reader holds."""

@@ -11,8 +11,19 @@ spectral radius) and ||h_T|| (state_norm). Then train.on_spike acts:
   skip  the step's update is not applied (its gradients are dropped and the step counts as skipped): the loss is
         judged from the step's packed statistics before the optimizer runs, which costs one host read of them
         before the update (a device sync on a GPU, where the clip decision syncs anyway);
-  stop  the run stops after the step, saves a checkpoint and says why (like an agreed stop: exit 75).
+  rollback  the run restores its newest checkpoint from before the spike's step, skips a window of
+        train.rollback_skip global batches ending at the spike's (none before the checkpoint's position; recorded
+        in a "rollback" metrics record with their sample indices) and trains on from the checkpoint's step. At most
+        train.max_rollbacks per run; past that, or with no checkpoint to go back to, it stops as under `stop`.
+  stop  the run stops after the step WITHOUT saving: the state the spike's step left (its update, computed from the
+        spiking batch) is never the newest checkpoint, and any checkpoint of the spike's step or later is set aside
+        (<name>.after-spike). The STOPPED marker says requeue: false, so a batch script does not start the run again
+        on its own: it needs a person (a lower learning rate, other data, train.on_spike=rollback).
 Every rank judges the same job-wide loss, so every rank takes the same decision.
+
+The skipped windows (SkipWindows) are checkpointed with the trainer's state: step k reads global batch k + offset,
+where offset counts the batches skipped before it, so a run resumed after a rollback reads what the rolled-back run
+would have read.
 """
 from __future__ import annotations
 
@@ -24,7 +35,7 @@ import numpy as np
 
 SPIKE_MIN_HISTORY = 20
 MAD_FLOOR = 1e-3
-ACTIONS = ("log", "skip", "stop")
+ACTIONS = ("log", "skip", "rollback", "stop")
 
 
 @dataclass
@@ -106,8 +117,50 @@ class SpikeMonitor:
         return self.detector.check(step, loss)
 
 
-def stop_message(spike: Spike, out_dir: str) -> str:
+def stop_message(spike: Spike, out_dir: str, why: str | None = None) -> str:
+    """The line a spike stop prints; why: the reason a rollback could not be made instead."""
+    instead = f" ({why}: stopping instead of rolling back)" if why else ""
     return (f"megaloop: loss spike at step {spike.step}: loss {spike.loss:.4g} > median {spike.median:.4g} + "
-            f"k x MAD {spike.mad:.3g} (threshold {spike.threshold:.4g}); train.on_spike=stop: stopping and saving a "
-            f"checkpoint in {out_dir} (resume by re-running the command, e.g. with a lower learning rate or "
-            "train.on_spike=skip)")
+            f"k x MAD {spike.mad:.3g} (threshold {spike.threshold:.4g}){instead}; stopped without saving the state "
+            f"after it: the newest checkpoint in {out_dir} is from before the spike, and the run is not requeued. "
+            "Re-run the command to continue from that checkpoint, e.g. with a lower learning rate or "
+            "train.on_spike=rollback")
+
+
+class SkipWindows:
+    """The global batches that rollbacks skip, and the loader's offset from the step: step k reads global batch
+    k + offset, jumping over the windows (each [first, last], inclusive) it reaches. Saved with every checkpoint."""
+
+    def __init__(self):
+        self.offset = 0
+        self.rollbacks = 0
+        self.windows: list[list[int]] = []
+
+    def batch_of(self, step: int) -> int:
+        """The global batch `step` reads, as far as the windows are known (advance() jumps over them)."""
+        return step + self.offset
+
+    def advance(self, step: int) -> int:
+        """The global batch `step` reads: step + offset, past every window that holds it (the offset grows)."""
+        batch = self.batch_of(step)
+        moved = True
+        while moved:
+            moved = False
+            for first, last in self.windows:
+                if first <= batch <= last:
+                    self.offset += last + 1 - batch
+                    batch, moved = last + 1, True
+        return batch
+
+    def rolled_back(self, offset: int, first: int, last: int) -> None:
+        """A rollback restored a checkpoint whose step reads batch step + `offset`, and skips batches first..last."""
+        self.offset = offset
+        self.rollbacks += 1
+        self.windows.append([first, last])
+
+    def state_dict(self) -> dict:
+        return {"offset": self.offset, "rollbacks": self.rollbacks, "windows": [list(w) for w in self.windows]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.offset, self.rollbacks = int(state["offset"]), int(state["rollbacks"])
+        self.windows = [[int(a), int(b)] for a, b in state["windows"]]

@@ -33,7 +33,10 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 TIME_LIMIT_CODE = 2
 SIGNAL_CODES = {signal.SIGINT: 3, signal.SIGTERM: 4, signal.SIGUSR1: 5}
 REASONS = {1: "signal", TIME_LIMIT_CODE: "time limit", **{c: s.name for s, c in SIGNAL_CODES.items()}}
-STOP_CODES = max(REASONS)  # codes 1..STOP_CODES
+# not a stop: some rank's checkpoint.every_minutes interval has run out, so every rank saves after this step
+# (megaloop.train.cadence); a stop code on any rank outranks it (the stop saves anyway)
+SAVE_DUE_CODE = max(REASONS) + 1
+STOP_CODES = SAVE_DUE_CODE  # codes 1..STOP_CODES, one slot each in the step's reduction
 _EARLY: list[str] = []  # signals received before StopRequests took over (see hold_early_signals)
 
 
@@ -113,6 +116,8 @@ class StopRequests:
 
     def decide(self, code: int) -> bool:
         """Whether to stop, from the job-wide code of this step's reduction (the same on every rank)."""
+        if code == SAVE_DUE_CODE:
+            return False
         if code:
             self.reason = self.signal_name if code == 1 and self.signal_name else REASONS[code]
         return bool(code)
@@ -147,9 +152,9 @@ class StopRequests:
 
 def job_stop_code(ranks_per_code) -> int:
     """The job-wide code from the number of ranks that stop with each code 1..STOP_CODES: a signal's (the first
-    of SIGNAL_CODES' order that some rank received) before the time limit."""
+    of SIGNAL_CODES' order that some rank received) before the time limit, and any stop before SAVE_DUE_CODE."""
     counts = dict(zip(range(1, STOP_CODES + 1), ranks_per_code))
-    for code in (*SIGNAL_CODES.values(), 1, TIME_LIMIT_CODE):
+    for code in (*SIGNAL_CODES.values(), 1, TIME_LIMIT_CODE, SAVE_DUE_CODE):
         if counts.get(code, 0) > 0:
             return code
     return 0

@@ -1,6 +1,7 @@
 """Loss-spike detection (megaloop.train.spikes): the rule on hand-made series, and a run forced to diverge by a
-learning-rate spike: the spike is logged at the step whose loss jumps, on_spike=stop saves and stops there, and
-on_spike=skip drops that step's update."""
+learning-rate spike: the spike is logged at the step whose loss jumps, on_spike=stop stops there without saving its
+state, on_spike=skip drops that step's update, and on_spike=rollback (a corrupted batch injected with
+MEGALOOP_FAULTS) restores the checkpoint before it and skips the batches up to it."""
 import dataclasses
 import json
 import math
@@ -58,15 +59,17 @@ def lr_spike(monkeypatch):
     monkeypatch.setattr(CombinedOptimizer, "schedule_at", schedule_at)
 
 
-def _run(tiny_shards, out, action):
+def _run(tiny_shards, out, action, *extra):
     overrides = fast_overrides(tiny_shards, out, steps=SPIKE_AT + 4) + [
-        f"train.on_spike={action}", "train.val_every=1000", "train.spike_window=20"]
+        f"train.on_spike={action}", "train.val_every=1000", "train.spike_window=20", *extra]
     cfg = load_config(TINY, overrides)
     return run_training(cfg), read_metrics(out / "metrics.jsonl")
 
 
-def test_lr_spike_is_logged_and_stop_ends_the_run_with_a_checkpoint(tiny_shards, tmp_path, lr_spike, capsys):
-    code, records = _run(tiny_shards, tmp_path, "stop")
+def test_lr_spike_is_logged_and_stop_keeps_only_checkpoints_from_before_it(tiny_shards, tmp_path, lr_spike, capsys):
+    """on_spike=stop: nothing is saved after the spike, the checkpoint of the spike's own step (its state already
+    holds the 300x update that made the loss jump) is set aside, and the STOPPED marker says not to requeue."""
+    code, records = _run(tiny_shards, tmp_path, "stop", "checkpoint.every=12")
     spikes = [r for r in records if r["kind"] == "spike"]
     assert [s["step"] for s in spikes] == [SPIKE_AT], spikes
     s = spikes[0]
@@ -75,10 +78,50 @@ def test_lr_spike_is_logged_and_stop_ends_the_run_with_a_checkpoint(tiny_shards,
     assert max(train_steps) == SPIKE_AT  # nothing after the spike step
     assert code == 75
     assert f"loss spike at step {SPIKE_AT}" in capsys.readouterr().err
-    ckpts = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir())
-    assert any(str(SPIKE_AT + 1) in name for name in ckpts), ckpts
+    root = tmp_path / "checkpoints"
+    names = sorted(p.name for p in root.iterdir() if p.is_dir())
+    assert names == ["step_00000012", f"step_{SPIKE_AT:08d}.after-spike"], names
+    assert (root / "latest").read_text().strip() == "step_00000012"
+    stopped = json.loads((tmp_path / "STOPPED").read_text())
+    assert stopped["requeue"] is False and stopped["step"] == 12 and "loss spike" in stopped["reason"]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["steps_done"] == SPIKE_AT + 1 and summary["interrupted"]
+    assert summary["steps_done"] == SPIKE_AT + 1 and summary["interrupted"] and summary["spike_stop"]
+
+
+def test_rollback_restores_skips_the_corrupted_batch_and_finishes(tiny_shards, tmp_path, monkeypatch):
+    """A corrupted batch at a known step (every token replaced: its loss jumps) under on_spike=rollback: the run
+    restores the checkpoint before it, skips train.rollback_skip global batches ending at the corrupted one, and
+    finishes with finite losses; the steps after the rollback read the batches after the window (checked against
+    the sample indices the loader gives), and a resume from a checkpoint after the rollback reads the same."""
+    spike_at, skip, G = 26, 3, 8
+    monkeypatch.setenv("MEGALOOP_FAULTS", f"spike:step={spike_at}")
+    steps = spike_at + 6
+    cfg = load_config(TINY, fast_overrides(tiny_shards, tmp_path, steps=steps) + [
+        "train.on_spike=rollback", "train.val_every=1000", "train.spike_window=20", "checkpoint.every=12",
+        f"train.rollback_skip={skip}", f"data.global_batch_size={G}"])
+    assert run_training(cfg) == 0
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    spikes = [r for r in records if r["kind"] == "spike"]
+    assert [(r["step"], r["action"]) for r in spikes] == [(spike_at, "rollback")]
+    rollback = [r for r in records if r["kind"] == "rollback"]
+    assert len(rollback) == 1
+    r = rollback[0]
+    assert r["restored_step"] == 24 and r["step"] == spike_at and r["rollbacks"] == 1
+    assert r["skipped_batches"] == [spike_at - 2, spike_at - 1, spike_at]
+    assert r["skipped_samples"] == [[(spike_at - 2) * G, (spike_at + 1) * G]]
+    by_step = {}
+    for rec in records:
+        if rec["kind"] == "train":
+            by_step[rec["step"]] = rec  # the last record of a step (the replay after the rollback) wins
+    assert sorted(by_step) == list(range(steps)) and all(math.isfinite(v["loss"]) for v in by_step.values())
+    assert all(v["loss"] < spikes[0]["threshold"] for k, v in by_step.items() if k >= 24)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps_done"] == steps and len(summary["rollbacks"]) == 1
+    # the checkpoint at the end says where the loader is: `skip` batches past the step
+    meta = json.loads(next((tmp_path / "checkpoints").glob(f"step_{steps:08d}/metadata.json")).read_text())
+    assert meta["loader"]["step"] == steps + skip
+    assert meta["trainer"]["skip_windows"] == {"offset": skip, "rollbacks": 1,
+                                               "windows": [[spike_at - 2, spike_at]]}
 
 
 def test_skip_drops_the_spike_steps_update(tiny_shards, tmp_path, lr_spike):
