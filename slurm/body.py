@@ -1,7 +1,7 @@
 """The fixed parts of the batch script (bash). They read only Slurm's variables and the run variables that
-slurm/script.py renders above them (PYTHON, NPROC_PER_NODE, REQUEUE, TRAIN, OUT_DIR, POINT); no user text is
-pasted into them. How a stop reaches the training processes was measured on Slurm 22.05 with torch 2.13's torchrun
-and is explained in the script's own comment above its traps and in slurm/agent.py."""
+slurm/script.py renders above them (PYTHON, NPROC_PER_NODE, REQUEUE, MAX_FAILURES, TRAIN, OUT_DIR, POINT); no user
+text is pasted into them. How a stop reaches the training processes was measured on Slurm 22.05 with torch 2.13's
+torchrun and is explained in the script's own comment above its traps and in slurm/agent.py."""
 
 PRELUDE = r"""set -o pipefail
 log() { echo "[megaloop-job $(date '+%F %T')] $*"; }
@@ -48,8 +48,9 @@ fi
 # signalling its workers once more; `python -m slurm.agent` runs torchrun leaving both signals to the workers. Each
 # worker gets exactly one, they agree on one step, save a checkpoint and exit 75 (torchrun itself then exits 1, so
 # the outcome is read from the markers the trainer writes: COMPLETED -> done; STOPPED -> `scontrol requeue`, unless
-# the stop came with SIGTERM: cancelled, or preempted and requeued by Slurm itself; neither -> failed). bash runs a
-# trap only after the foreground command returns, so srun runs in the background and the script waits for it.
+# the stop came with SIGTERM: cancelled, or preempted and requeued by Slurm itself, or the marker says
+# "requeue": false: a loss spike that needs a person; neither -> a failure). bash runs a trap only after the
+# foreground command returns, so srun runs in the background and the script waits for it.
 STEP_PID=""
 STOP_SIGNAL=""
 CANCELLED=""
@@ -77,6 +78,7 @@ startup_of() { grep -o '"during": *"start-up"' "$1" 2>/dev/null; }  # a stop bef
 PREVIOUS_STOP=$(step_of "$OUT_DIR/STOPPED")  # the step the previous job of this run stopped at, if it did
 PREVIOUS_STARTUP=$(startup_of "$OUT_DIR/STOPPED")
 rm -f "$OUT_DIR/COMPLETED" "$OUT_DIR/STOPPED"
+STEP_START=$(date +%s)  # failures recorded from here on are this job's (slurm/failures.py)
 log "job ${SLURM_JOB_ID} (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NUM_NODES} node(s) ${SLURM_JOB_NODELIST}," \
     "${NPROC_PER_NODE} processes per node, rendezvous ${MASTER_ADDR}:${MASTER_PORT}, out_dir ${OUT_DIR}"
 if [ -n "$STOP_SIGNAL$CANCELLED" ]; then
@@ -102,6 +104,11 @@ if [ -f "$OUT_DIR/COMPLETED" ]; then
   exit 0
 fi
 if [ -f "$OUT_DIR/STOPPED" ]; then
+  if grep -q '"requeue": *false' "$OUT_DIR/STOPPED"; then  # e.g. a loss spike under train.on_spike=stop
+    log "stopped and not to be requeued ($(cat "$OUT_DIR/STOPPED")): the run needs a person; submit the same job" \
+        "again to continue from its newest checkpoint once the cause is dealt with"
+    exit 75
+  fi
   if [ -n "$CANCELLED" ]; then
     log "stopped and saved after SIGTERM: not requeued by this script (submit again to continue)"
     exit 0
@@ -120,7 +127,32 @@ if [ -f "$OUT_DIR/STOPPED" ]; then
   log "scontrol requeue failed: submit the same job again to continue from its checkpoint"
   exit 75
 fi
-log "training failed (no COMPLETED or STOPPED in ${OUT_DIR}); submit again to resume from the last checkpoint"
+# Neither: the training failed. slurm.agent restarted failed workers in place (torchrun --max-restarts) until it gave
+# up, or the whole step died (a lost node, a killed agent). Every failure of the run is counted in
+# $OUT_DIR/failures.jsonl, in-job restarts and requeues alike: below MAX_FAILURES within an hour this job requeues
+# itself and resumes from the newest committed checkpoint; the MAX_FAILURES-th ends it FAILED with the reason in one
+# line, the checkpoints untouched. Slurm refuses ExcNodeList on a running job and a requeue ends this script at once,
+# so no node is excluded here (Slurm does not allocate a node it found failed again).
+if [ -n "$CANCELLED" ]; then
+  log "training failed after SIGTERM (cancel, preemption or time limit) without saving: not requeued by this" \
+      "script; submit again to resume from the last committed checkpoint"
+  exit 1
+fi
+VERDICT=$("$PYTHON" -m slurm.failures step-ended "$OUT_DIR/failures.jsonl" --max-failures "$MAX_FAILURES" \
+    --since "$STEP_START" --exit-code "$RC")
+case "$VERDICT" in
+  "requeue "*|"fail "*) ;;
+  *) VERDICT="fail python -m slurm.failures gave no verdict; submit the job again to resume from the last checkpoint" ;;
+esac
+if [ "${VERDICT%% *}" = requeue ] && [ "$REQUEUE" = 1 ]; then
+  log "training failed: ${VERDICT#* }; requeueing job ${SLURM_JOB_ID} to resume from the newest committed checkpoint"
+  if scontrol requeue "$SLURM_JOB_ID"; then exit 0; fi
+  log "scontrol requeue failed: submit the same job again to continue from its checkpoint"
+elif [ "${VERDICT%% *}" = requeue ]; then
+  log "training failed: ${VERDICT#* }; this segment is done, the next job of the chain continues"
+else
+  log "training failed: ${VERDICT#* }"
+fi
 if [ "$RC" = 0 ]; then exit 1; fi
 exit "$RC"
 """

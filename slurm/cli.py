@@ -12,6 +12,7 @@ from pathlib import Path
 
 from slurm import options, prep, preflight, script, sweep
 from slurm.ask import FlopsError, check, costs
+from slurm.failures import DEFAULT_MAX_FAILURES
 from slurm.options import OptionError
 from slurm.spec import JobSpec, default_python
 from data_prep.paths import LocalPath
@@ -52,6 +53,11 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--segments", type=int, default=1, help="submit K jobs of the same run, each after the previous "
                                                            "(afterany); a stop then ends a segment instead of "
                                                            "requeueing it (default 1)")
+    p.add_argument("--max-failures", type=int, default=DEFAULT_MAX_FAILURES, metavar="N",
+                   help="failures of the training processes within an hour (a rank killed, out of memory, hung or "
+                        "raising) after which the job ends FAILED instead of restarting them from the newest "
+                        f"checkpoint; counted over in-job restarts and requeues in OUT_DIR/failures.jsonl (default "
+                        f"{DEFAULT_MAX_FAILURES})")
     p.add_argument("--no-check", action="store_true", help="skip `python -m megaloop check` of the config for the "
                                                            "job's process count (run here before submitting)")
     p.add_argument("--dry-run", action="store_true", help="print the sbatch script instead of submitting it (a "
@@ -109,6 +115,7 @@ def build_spec(args, argv: list[str]) -> JobSpec:
         python=options.text("--python", args.python) if args.python else default_python(container),
         dependency=options.dependency(args.dependency),
         requeue=options.positive("--segments", args.segments) == 1,
+        max_failures=options.positive("--max-failures", args.max_failures, maximum=1000),
         command_line="python -m slurm " + shlex.join(argv))
 
 

@@ -88,6 +88,7 @@ def _run_variables(spec: JobSpec) -> list[str]:
              f"PYTHON={sh(spec.python)}",
              f"NPROC_PER_NODE={spec.procs_per_node}",
              f"REQUEUE={1 if spec.requeue else 0}",
+             f"MAX_FAILURES={spec.max_failures}",
              "TRAIN=(" + " ".join(sh(a) for a in train) + ")"]
     if not spec.points:
         return lines + [f"OUT_DIR={sh(spec.out_dir)}", "POINT=()", ""]
@@ -118,10 +119,10 @@ def _launch(spec: JobSpec) -> list[str]:
     if spec.container:
         srun.append(f"--container-image={sh(spec.container)} --container-mounts=\"$PWD:$PWD\" "
                     '--container-workdir="$PWD"')
-    agent = ['"$PYTHON" -m slurm.agent --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node="$NPROC_PER_NODE"',
-             '--rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" '
-             '--max-restarts=0',
+    agent = ['"$PYTHON" -m slurm.agent --failures="$OUT_DIR/failures.jsonl" --max-failures="$MAX_FAILURES"',
+             '--nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node="$NPROC_PER_NODE" --max-restarts="$MAX_FAILURES"',
+             '--rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID"',
              '"${TRAIN[@]}" "${POINT[@]}" --set "train.out_dir=$OUT_DIR" &']
     lines = [srun[0] + " \\"] + [f"    {x} \\" for x in srun[1:]]
-    lines += [f"  {agent[0]} \\", f"    {agent[1]} \\", f"    {agent[2]}"]
+    lines += [f"  {agent[0]} \\"] + [f"    {x} \\" for x in agent[1:-1]] + [f"    {agent[-1]}"]
     return body.LAUNCH_HEAD.splitlines() + lines + body.LAUNCH_TAIL.splitlines()

@@ -51,6 +51,7 @@ class JobSpec:
     python: str = "python"
     dependency: str | None = None
     requeue: bool = True  # requeue itself after an agreed stop (False: segments of a dependency chain)
+    max_failures: int = 3  # failures of the training processes within an hour that end the job FAILED
     points: list[Point] | None = None  # a job array, one task per point
     array_parallel: int | None = None  # at most this many array tasks at once
     command_line: str | None = None  # how the script was rendered, for its header comment

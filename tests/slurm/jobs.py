@@ -11,6 +11,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "parcae-tiny.yaml"
+REFERENCE_STEPS = 120  # the reference run's steps (tests/slurm/conftest.py), and of every run compared with it
 
 
 def tiny_overrides(shards: Path, steps: int) -> list[str]:
@@ -117,6 +118,23 @@ def worker_pids(out_dir: Path) -> dict[int, int]:
         if b"RANK" in env:
             found[int(env[b"RANK"])] = int(proc.name)
     return found
+
+
+def agent_pid(out_dir: Path) -> int | None:
+    """The pid of the run's `python -m slurm.agent` (the torchrun agent srun started), or None."""
+    needle = f"train.out_dir={out_dir}".encode()
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes() if proc.name.isdigit() else b""
+        except OSError:
+            continue
+        if needle in cmd and b"slurm.agent" in cmd:
+            return int(proc.name)
+    return None
+
+
+def metrics(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 def alive(pid: int) -> bool:

@@ -4,15 +4,12 @@
 2. `scancel --signal=USR1 --batch` mid-run, twice: each time every rank stops at one step and saves, the job requeues
    itself and resumes; the final per-step losses equal the uninterrupted run's bit for bit;
    `scancel JOB` (SIGTERM to every process): the ranks save, and the job is not requeued;
-3. kill -9 of one rank mid-run: the other rank is gone within 60 s, the job is FAILED, and submitting it again resumes
-   from the last checkpoint and ends with the uninterrupted run's losses;
-4. a 4-point isoFLOP job array runs to completion, each point training budget / FLOPs-per-token tokens (within one
-   step), FLOPs per token from megaloop's FLOP model."""
+3. a 4-point isoFLOP job array runs to completion, each point training budget / FLOPs-per-token tokens (within one
+   step), FLOPs per token from megaloop's FLOP model.
+A killed, hung or always-failing rank: tests/slurm/test_recovery.py. The reference run is tests/slurm/conftest.py's."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -21,26 +18,11 @@ from pathlib import Path
 import pytest
 
 from slurm.sweep import budget_tag
-from tests.slurm.jobs import (TINY, alive, job_log, job_state, last_step, slurm_cli, submit, tiny_overrides,
-                              train_losses, wait_gone, wait_until, worker_pids)
+from tests.slurm.jobs import (REFERENCE_STEPS, TINY, job_log, job_state, last_step, slurm_cli, submit,
+                              tiny_overrides, train_losses, wait_gone, wait_until)
 
 pytestmark = pytest.mark.slurm
-STEPS = 120
-
-
-@pytest.fixture(scope="module")
-def reference(cluster, tiny_shards, tmp_path_factory):
-    """The uninterrupted run, submitted through `python -m slurm submit` (acceptance 1)."""
-    root = tmp_path_factory.mktemp("reference")
-    job = submit(tiny_shards, root, "reference", STEPS)
-    seen: set[str] = set()
-    wait_gone(job, 300, seen)
-    out = root / "reference"
-    state = job_state(job)
-    print(f"job {job}: squeue showed {sorted(seen)}, scontrol JobState={state['JobState']} "
-          f"ExitCode={state['ExitCode']}")
-    assert state["JobState"] == "COMPLETED", job_log(out, job)
-    return job, out, seen
+STEPS = REFERENCE_STEPS
 
 
 def test_submitted_run_completes(reference):
@@ -107,33 +89,6 @@ def test_cancelled_job_saves_and_is_not_requeued(cluster, tiny_shards, tmp_path)
     assert state["JobState"] == "CANCELLED" and state["Restarts"] == "0", log
     assert stopped["reason"] == "SIGTERM" and "not requeued" in log
     assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{stopped['step']:08d}"
-
-
-def test_killed_rank_fails_job_and_resubmission_resumes(reference, tiny_shards, tmp_path):
-    job = submit(tiny_shards, tmp_path, "killed", STEPS)
-    out = tmp_path / "killed"
-    wait_until(lambda: last_step(out) >= 25, 300, "step 25", interval=0.05)
-    pids = wait_until(lambda: p if len(p := worker_pids(out)) == 2 else None, 30, "both training processes")
-    killed_at = time.monotonic()
-    os.kill(pids[1], signal.SIGKILL)
-    wait_until(lambda: not alive(pids[0]), 60, "rank 0 to exit after rank 1 was killed")
-    survivor_s = time.monotonic() - killed_at
-    wait_gone(job, 60)
-    state = job_state(job)
-    checkpoint = (out / "checkpoints" / "latest").read_text().strip()
-    print(f"job {job}: rank 1 killed after step {last_step(out)}, rank 0 gone {survivor_s:.1f} s later, "
-          f"JobState={state['JobState']}, latest checkpoint {checkpoint}")
-    assert survivor_s < 60
-    assert state["JobState"] == "FAILED", job_log(out, job)
-    assert not (out / "STOPPED").exists() and not (out / "COMPLETED").exists()
-
-    again = submit(tiny_shards, tmp_path, "killed", STEPS)
-    wait_gone(again, 300)
-    assert job_state(again)["JobState"] == "COMPLETED", job_log(out, again)
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    resumed = [r for r in records if r["kind"] == "resume"]
-    print(f"resubmitted as job {again}: resumed from step {resumed[-1].get('step') if resumed else '?'}")
-    assert train_losses(out) == train_losses(reference[1])
 
 
 def test_isoflop_array_trains_budget_over_flops_per_token(cluster, tiny_shards, tmp_path):
