@@ -14,6 +14,7 @@ from pathlib import Path
 
 from megaloop.status.assess import Limits
 from megaloop.train.heartbeat import FOLDER as HEARTBEAT_FOLDER, read_heartbeats
+from megaloop.train.metrics import read_json_lines
 
 RUN_FILES = ("config.json", "metrics.jsonl", HEARTBEAT_FOLDER, "COMPLETED", "STOPPED", "summary.json")
 SQUEUE_TIMEOUT_S = 5.0
@@ -45,22 +46,6 @@ def _json_file(path: Path) -> dict | None:
     return value if isinstance(value, dict) else {}
 
 
-def _json_lines(path: Path) -> list[dict]:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return []
-    records = []
-    for line in text.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    return records
-
-
 def _quiet_s(path: Path, now: float) -> float | None:
     times = []
     for name in RUN_FILES:
@@ -87,7 +72,7 @@ def read_folder(path: Path, now: float | None = None) -> RunFolder:
         info = _json_file(path / name)
         if info is not None or (path / name).exists():
             run.markers[name] = info or {}
-    records = _json_lines(path / "metrics.jsonl")
+    records = read_json_lines(path / "metrics.jsonl")
     run.restarts = [r for r in records if r.get("kind") == "restart"]
     run.rollbacks = [r for r in records if r.get("kind") == "rollback"]
     run.heartbeats = read_heartbeats(path)

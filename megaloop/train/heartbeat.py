@@ -88,17 +88,13 @@ class Heartbeat:
 
 def read_heartbeats(out_dir: str | Path) -> dict[int, list[dict]]:
     """rank -> its heartbeat lines, oldest first (a torn last line, from a rank killed while writing, is left out)."""
+    from megaloop.train.metrics import read_json_lines
+
     folder = Path(out_dir) / FOLDER
     found: dict[int, list[dict]] = {}
     for path in sorted(folder.glob("rank_*.jsonl")) if folder.is_dir() else []:
-        lines = []
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                lines.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
         try:
-            found[int(path.stem.split("_", 1)[1])] = lines
+            found[int(path.stem.split("_", 1)[1])] = read_json_lines(path)
         except ValueError:
             continue
     return found

@@ -119,3 +119,21 @@ class MetricsWriter:
 
 def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def read_json_lines(path: Path) -> list[dict]:
+    """The JSON objects of a file that several processes append to and a crash may cut short (metrics.jsonl,
+    failures.jsonl, heartbeats): a torn or foreign line is left out; [] when the file cannot be read."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return []
+    found = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            found.append(record)
+    return found

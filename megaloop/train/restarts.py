@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from megaloop.train.heartbeat import read_heartbeats
+from megaloop.train.metrics import read_json_lines
 
 FAILURES = "failures.jsonl"  # slurm.failures.FILE (megaloop does not import the slurm package)
 LATE_S = 2.0  # a failed attempt's last lines may follow the launcher's note of the failure by this much
@@ -41,19 +42,8 @@ UNRECORDED = "an unrecorded failure (the previous attempt's heartbeats stop with
 
 
 def _read_lines(path: Path) -> list[dict]:
-    try:
-        text = path.read_text(errors="replace")
-    except FileNotFoundError:
-        return []
-    found = []
-    for line in text.splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("time"), (int, float)):
-            found.append(record)
-    return found
+    """The file's timed lines (a torn or foreign line is left out)."""
+    return [r for r in read_json_lines(path) if isinstance(r.get("time"), (int, float))]
 
 
 def _ends_torn(f) -> bool:
