@@ -19,12 +19,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megaloop.config import ConfigError
+
 ENV = "MEGALOOP_FAULTS"
 KINDS = {"slow": {"rank", "seconds"}, "crash": {"rank", "at", "step"}, "spike": {"step"}}
 
 
-class FaultSpecError(ValueError):
-    """MEGALOOP_FAULTS cannot be parsed."""
+def _bad(item: str, problem: str) -> ConfigError:
+    """MEGALOOP_FAULTS cannot be parsed: a one-line refusal at start-up (exit code 2), like a bad config key."""
+    return ConfigError(f"{ENV} (environment)", item, f"{problem}; unset it for a run without injected faults")
 
 
 @dataclass(frozen=True)
@@ -42,12 +45,12 @@ def parse(text: str) -> list[Fault]:
     for item in filter(None, (part.strip() for part in text.split(";"))):
         kind, _, rest = item.partition(":")
         if kind not in KINDS:
-            raise FaultSpecError(f"{ENV}: unknown fault {kind!r} in {item!r}; known: {', '.join(sorted(KINDS))}")
+            raise _bad(item, f"unknown fault {kind!r}; known: {', '.join(sorted(KINDS))}")
         args = {}
         for pair in filter(None, rest.split(",")):
             key, sep, value = pair.partition("=")
             if not sep or key not in KINDS[kind]:
-                raise FaultSpecError(f"{ENV}: {pair!r} in {item!r} is not one of {sorted(KINDS[kind])} as key=value")
+                raise _bad(item, f"{pair!r} is not one of {sorted(KINDS[kind])} as key=value")
             args[key] = value
         try:
             for key in ("rank", "step"):
@@ -56,13 +59,13 @@ def parse(text: str) -> list[Fault]:
             if "seconds" in args:
                 args["seconds"] = float(args["seconds"])
         except ValueError:
-            raise FaultSpecError(f"{ENV}: {item!r}: rank and step are integers, seconds a number") from None
+            raise _bad(item, "rank and step are integers, seconds a number") from None
         if kind == "crash" and ("at" in args) == ("step" in args):
-            raise FaultSpecError(f"{ENV}: {item!r}: a crash takes exactly one of at=start or step=K")
+            raise _bad(item, "a crash takes exactly one of at=start or step=K")
         if kind == "crash" and args.get("at", "start") != "start":
-            raise FaultSpecError(f"{ENV}: {item!r}: at= takes only `start`")
-        if kind in ("spike",) and "step" not in args or kind == "slow" and "seconds" not in args:
-            raise FaultSpecError(f"{ENV}: {item!r} is missing {'step' if kind == 'spike' else 'seconds'}=")
+            raise _bad(item, "at= takes only `start`")
+        if kind == "spike" and "step" not in args or kind == "slow" and "seconds" not in args:
+            raise _bad(item, f"missing {'step' if kind == 'spike' else 'seconds'}=")
         faults.append(Fault(kind, args))
     return faults
 
