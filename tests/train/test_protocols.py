@@ -146,7 +146,7 @@ def used_members(variable: str, sources: list[str]) -> set[str]:
 
 
 def test_protocols_list_exactly_what_the_trainer_uses():
-    sources = [path.read_text() for path in sorted(TRAIN.glob("*.py"))]
+    sources = [path.read_text() for path in sorted(TRAIN.rglob("*.py"))]  # its packages too (checkpointing/)
     for variable, proto in (("runtime", TrainerRuntime), ("data", DataSource)):
         used, listed = used_members(variable, sources), set(protocol_members(proto))
         assert used == listed, (f"megaloop/train uses {sorted(used - listed)} of a {proto.__name__} without "
