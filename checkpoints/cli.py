@@ -43,16 +43,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_convert_parsers(sub) -> None:
-    try:
-        cli_convert = importlib.import_module(f"{__package__}.cli_convert")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"{__package__}.cli_convert":
-            print(f"checkpoints: convert/export unavailable ({exc}); install what it names", file=sys.stderr)
-        return
-    except ImportError as exc:
-        print(f"checkpoints: convert/export unavailable ({exc}); install what it names", file=sys.stderr)
-        return
-    cli_convert.add_parsers(sub)
+    """convert/export and export-hf/import-hf, each left out (with a note) when what it imports is missing."""
+    for module, what in (("cli_convert", "convert/export"), ("hf.cli", "export-hf/import-hf")):
+        try:
+            loaded = importlib.import_module(f"{__package__}.{module}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__package__}.{module}":
+                print(f"checkpoints: {what} unavailable ({exc}); install what it names", file=sys.stderr)
+            continue
+        except ImportError as exc:
+            print(f"checkpoints: {what} unavailable ({exc}); install what it names", file=sys.stderr)
+            continue
+        loaded.add_parsers(sub)
 
 
 def resolve(dir_arg: str) -> Path:

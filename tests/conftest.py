@@ -16,6 +16,11 @@ os.environ.setdefault("MEGALOOP_CACHE_DIR", tempfile.mkdtemp(prefix="megaloop-te
 # torch.compile's kernels likewise: a machine-wide /tmp/torchinductor_<user> left by an interrupted run, or by a run
 # under another CPU capability (ATEN_CPU_CAPABILITY), made the compile test abort; each session compiles afresh
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="megaloop-test-inductor-"))
+# Hugging Face libraries never reach the network in tests, and the remote code of the folders tests export is
+# cached in this session's own directory, not in the user's ~/.cache/huggingface
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_MODULES_CACHE", tempfile.mkdtemp(prefix="megaloop-test-hf-modules-"))
 
 
 @pytest.fixture(scope="session")

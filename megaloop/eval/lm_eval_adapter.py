@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 
+import lm_eval.models  # noqa: F401 - the built-in models first: lm_eval loads them only into an empty registry
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
