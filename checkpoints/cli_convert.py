@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import warnings
 from pathlib import Path
@@ -18,7 +19,23 @@ import torch
 from .cli import resolve
 from .errors import CheckpointError
 from .export import DTYPES, export_safetensors, replace_atomically
-from .official import TIED_HEAD_KEY, checkpoint_to_official, official_to_checkpoint
+from .load import CheckpointReader
+from .official import TIED_HEAD_KEY, checkpoint_model_section, checkpoint_to_official, official_to_checkpoint
+from .official_release import (
+    CLASS_KEY,
+    CONFIG_FILE,
+    EXPORT_WEIGHTS,
+    ROPE_KEY,
+    check_release_weights,
+    megaloop_model_section,
+    official_config_for,
+    output_folder_problem,
+    read_release_config,
+    release_state_dict,
+    release_weights_file,
+    resolve_official_config,
+    write_release,
+)
 from data_prep.paths import LocalPath
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
@@ -27,6 +44,12 @@ _CHECK_TRAILER = re.compile(r"model: [0-9.]+M parameters")
 
 CONVERT_EXAMPLES = """\
 examples:
+  # an official release folder (config.json + model.pt, as its save_pretrained writes and the Hub publishes)
+  # -> a megaloop checkpoint whose config is derived from config.json; and back to a release folder
+  python -m checkpoints convert --from-official parcae-140m/ --out ckpt/parcae-140m
+  python -m checkpoints inspect ckpt/parcae-140m
+  python -m checkpoints convert --to-official ckpt/parcae-140m --out parcae-140m-again/
+
   # official Parcae weights -> a megaloop checkpoint (model arrays only), then train from it
   python -m megaloop check configs/parcae-140m.yaml > parcae-140m.json
   python -m checkpoints convert --from-official parcae.pt --config parcae-140m.json --out ckpt/official
@@ -38,7 +61,8 @@ examples:
 
 CONFIG_JSON is megaloop's resolved config tree as JSON: the config.json a run writes in train.out_dir, or the
 output of `python -m megaloop check CONFIG` (its closing 'model: ... parameters' line is skipped). A YAML config
-is not accepted: resolve it with `python -m megaloop check` first.
+is not accepted: resolve it with `python -m megaloop check` first. A release folder needs no --config: official
+settings megaloop cannot compute exactly (untied head, biases, logit softcap, ...) are refused by name.
 """
 
 EXPORT_EXAMPLES = """\
@@ -57,16 +81,18 @@ def add_parsers(sub) -> None:
                                    "weights back to the official key names.\nBit-exact both ways (dtypes kept).",
                        epilog=CONVERT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     way = p.add_mutually_exclusive_group(required=True)
-    way.add_argument("--from-official", metavar="SRC", help="official weights: .pt/.pth/.bin (a state_dict saved "
-                     "with torch.save; loaded with weights_only=True) or .safetensors")
+    way.add_argument("--from-official", metavar="SRC", help="an official release folder (config.json + "
+                     "pytorch_model.bin, model.pt or model.safetensors), or official weights: .pt/.pth/.bin (a "
+                     "state_dict saved with torch.save; loaded with weights_only=True) or .safetensors")
     way.add_argument("--to-official", metavar="CKPT_DIR", help="a checkpoint directory (step_XXXXXXXX) or a root "
                      "holding 'latest'")
     p.add_argument("--config", type=LocalPath(),
-                   metavar="CONFIG_JSON", help="with --from-official: megaloop's resolved config as "
+                   metavar="CONFIG_JSON", help="with --from-official FILE: megaloop's resolved config as "
                    "JSON (see below); stored in the checkpoint's metadata")
     p.add_argument("--out", type=LocalPath(), required=True,
                    metavar="PATH", help="with --from-official: a new (or empty) checkpoint "
-                   "root; with --to-official: the output file, .pt/.pth (torch.save of a dict of tensors) or "
+                   "root; with --to-official: a release folder (a path ending in '/' or without extension, or an "
+                   "empty directory) or the output file, .pt/.pth (torch.save of a dict of tensors) or "
                    ".safetensors")
     p.add_argument("--step", type=int, default=None, metavar="N", help="with --from-official: the step number "
                    "of the checkpoint (default 0)")
@@ -99,21 +125,62 @@ def cmd_convert(args) -> int:
                               "drop them with --to-official")
     src = resolve(args.to_official)
     out = Path(args.out)
-    if out.suffix not in TORCH_SUFFIXES + (".safetensors",):
-        raise CheckpointError(f"{out}: unknown output type {out.suffix or '(no extension)'!r}; name the file "
-                              ".pt/.pth (torch.save) or .safetensors")
+    file_types = TORCH_SUFFIXES + (".safetensors",)
+    if args.out.endswith(("/", os.sep)) or not out.suffix or (out.is_dir() and out.suffix not in file_types):
+        return _to_release(src, out)
+    if out.suffix not in file_types:
+        raise CheckpointError(f"{out}: unknown output type {out.suffix!r}; name the file .pt/.pth (torch.save) or "
+                              ".safetensors, or end the path with '/' for a release folder")
     if out.is_dir():
-        raise CheckpointError(f"{out}: is a directory; give the path of the file to write")
+        raise CheckpointError(f"{out}: is a directory; give the path of the file to write (or end the path with '/' "
+                              "to write a release folder into it)")
     weights = checkpoint_to_official(src)
     _save_weights(weights, out)
     print(f"wrote {out}: {len(weights)} official keys ({TIED_HEAD_KEY} tied to the embedding) from {src}")
     return 0
 
 
+def _to_release(src: Path, out: Path) -> int:
+    problem = output_folder_problem(out)
+    if problem:
+        raise CheckpointError(f"{problem} (nothing is written into an existing folder)")
+    reader = CheckpointReader(src)
+    config = official_config_for(checkpoint_model_section(reader), reader.metadata.get("official_config"))
+    state = release_state_dict(checkpoint_to_official(src), config)
+    write_release(out, config, state)
+    print(f"wrote {out}: {CONFIG_FILE} ({config[CLASS_KEY]}) and {EXPORT_WEIGHTS} ({len(state)} official keys, "
+          f"{TIED_HEAD_KEY} tied to the embedding, {ROPE_KEY} regenerated) from {src}")
+    return 0
+
+
+def _from_release(args, folder: Path) -> int:
+    if args.config is not None:
+        raise CheckpointError(f"{folder}: a release folder carries its own {CONFIG_FILE}; drop --config")
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"{out}: exists and is not an empty directory; give a new directory for the converted "
+                              "checkpoint")
+    raw = read_release_config(folder)
+    official = resolve_official_config(raw)
+    config = {"model": megaloop_model_section(official)}
+    source = release_weights_file(folder)
+    weights = load_official_weights(source)
+    check_release_weights(weights, official, source)
+    path = official_to_checkpoint(weights, config, out, 0 if args.step is None else args.step,
+                                  metadata={"official_config": raw})
+    print(f"wrote {path}: {official[CLASS_KEY]} from {folder} ({source.name}, {len(weights)} official keys); its "
+          f"model config: {json.dumps(config['model'])}; train from it with --set checkpoint.resume={args.out} "
+          "--set checkpoint.load_optimizer=false and that model section")
+    return 0
+
+
 def _from_official(args) -> int:
+    if Path(args.from_official).is_dir():
+        return _from_release(args, Path(args.from_official))
     if args.config is None:
-        raise CheckpointError("--from-official needs --config CONFIG_JSON, megaloop's resolved config of the model "
-                              "(e.g. `python -m megaloop check CONFIG > config.json`)")
+        raise CheckpointError("--from-official FILE needs --config CONFIG_JSON, megaloop's resolved config of the "
+                              "model (e.g. `python -m megaloop check CONFIG > config.json`), or give a release "
+                              "folder (config.json + weights) instead of the file")
     config = load_config_json(Path(args.config))
     weights = load_official_weights(Path(args.from_official))
     path = official_to_checkpoint(weights, config, Path(args.out), 0 if args.step is None else args.step)

@@ -13,6 +13,12 @@ inside a checkpoint)::
     lm_head.weight                                      (none: the same tensor as the embedding, tied)
     freqs_cis                                           (none: a buffer regenerated from the config)
 
+The official GPT baseline keeps its blocks in one stack, ``transformer.h.{j}.PART``; megaloop's GPT (arch gpt) runs
+its prelude, core and coda once each, so block j is the j-th of them in that order (``core.{j}`` when, as in a
+converted release, n_prelude = n_coda = 0). Its other keys are those of Parcae's embedding, final norm, value
+embeddings and tied head; it has no adapter, C or prelude norm. The name functions take the model section of
+megaloop's config to tell the two apart (without one: Parcae).
+
 Keys may carry the wrappers ``_orig_mod.`` (torch.compile) and ``module.`` (DistributedDataParallel); they are
 stripped. This module knows names only; the model-aware check of every shape is
 ``megaloop.model.convert.from_reference_state_dict``. The checks here use only the config's sizes, so that this
@@ -63,9 +69,13 @@ _FIXED_INVERSE = {v: k for k, v in _FIXED.items()}
 _STACKS_INVERSE = {v: k for k, v in _STACKS.items()}
 _PARTS_INVERSE = {v: k for k, v in _BLOCK_PARTS.items()}
 _OFFICIAL_BLOCK = re.compile(r"transformer\.(prelude|core_block|coda)\.(\d+)\.(.+)")
+_GPT_BLOCK = re.compile(r"transformer\.h\.(\d+)\.(.+)")
 _OUR_BLOCK = re.compile(r"(prelude|core|coda)\.(\d+)\.(.+)")
 _VALUE_EMBED = re.compile(r"value_embeds\.(\d+)\.weight")
 _LAYER_COUNTS = {"prelude": "n_prelude", "core_block": "n_core", "coda": "n_coda"}
+_OUR_STACKS = ("prelude", "core", "coda")  # megaloop's block stacks, in the order a GPT runs them
+_GPT_FIXED = {k: _FIXED[k] for k in ("transformer.wte.weight", "transformer.ln_f.weight")}
+_GPT_FIXED_INVERSE = {v: k for k, v in _GPT_FIXED.items()}
 
 
 class ConversionError(CheckpointError, KeyError):
@@ -87,12 +97,20 @@ def strip_wrappers(key: str) -> str:
     return key.replace("._orig_mod.", ".")
 
 
-def official_to_megaloop_name(key: str) -> str | None:
+def is_gpt(model_cfg: dict | None) -> bool:
+    """Whether megaloop's model section describes the GPT baseline (official layout ``transformer.h``)."""
+    return isinstance(model_cfg, dict) and model_cfg.get("arch") == "gpt"
+
+
+def official_to_megaloop_name(key: str, model_cfg: dict | None = None) -> str | None:
     """megaloop's parameter name for an official key; None for keys that carry no weights of their own (the tied
-    lm_head, the freqs_cis buffer). ConversionError for a key this mapping does not know."""
+    lm_head, the freqs_cis buffer). ConversionError for a key this mapping does not know. `model_cfg`: megaloop's
+    model section (arch gpt selects the GPT layout; without it, Parcae's)."""
     key = strip_wrappers(key)
     if key in IGNORED_KEYS or key == TIED_HEAD_KEY:
         return None
+    if is_gpt(model_cfg):
+        return _gpt_name(key, model_cfg)
     if key in _FIXED:
         return _FIXED[key]
     m = _OFFICIAL_BLOCK.fullmatch(key)
@@ -103,8 +121,11 @@ def official_to_megaloop_name(key: str) -> str | None:
     raise ConversionError(f"unknown reference key {key!r}: not a Parcae parameter this converter knows")
 
 
-def megaloop_to_official_key(name: str) -> str:
-    """The official key of a megaloop parameter name; ConversionError for a name with no official counterpart."""
+def megaloop_to_official_key(name: str, model_cfg: dict | None = None) -> str:
+    """The official key of a megaloop parameter name; ConversionError for a name with no official counterpart.
+    `model_cfg` as for official_to_megaloop_name."""
+    if is_gpt(model_cfg):
+        return _gpt_key(name, model_cfg)
     if name in _FIXED_INVERSE:
         return _FIXED_INVERSE[name]
     m = _OUR_BLOCK.fullmatch(name)
@@ -115,11 +136,43 @@ def megaloop_to_official_key(name: str) -> str:
     raise ConversionError(f"our key {name!r} has no reference counterpart")
 
 
+def _stack_sizes(model_cfg: dict) -> tuple[int, int, int]:
+    return tuple(_size(model_cfg, f) or 0 for f in ("n_prelude", "n_core", "n_coda"))
+
+
+def _gpt_name(key: str, model_cfg: dict) -> str:
+    if key in _GPT_FIXED:
+        return _GPT_FIXED[key]
+    m = _GPT_BLOCK.fullmatch(key)
+    if m and m.group(2) in _BLOCK_PARTS:
+        layer, offset = int(m.group(1)), 0
+        for stack, size in zip(_OUR_STACKS, _stack_sizes(model_cfg)):
+            if layer < offset + size or stack == "coda":
+                return f"{stack}.{layer - offset}.{_BLOCK_PARTS[m.group(2)]}"
+            offset += size
+    if _VALUE_EMBED.fullmatch(key):
+        return key
+    raise ConversionError(f"unknown reference key {key!r}: not a GPT parameter this converter knows")
+
+
+def _gpt_key(name: str, model_cfg: dict) -> str:
+    if name in _GPT_FIXED_INVERSE:
+        return _GPT_FIXED_INVERSE[name]
+    m = _OUR_BLOCK.fullmatch(name)
+    if m and m.group(3) in _PARTS_INVERSE:
+        offset = sum(_stack_sizes(model_cfg)[:_OUR_STACKS.index(m.group(1))])
+        return f"transformer.h.{offset + int(m.group(2))}.{_PARTS_INVERSE[m.group(3)]}"
+    if _VALUE_EMBED.fullmatch(name):
+        return name
+    raise ConversionError(f"our key {name!r} has no counterpart in the official GPT")
+
+
 # ---- official weights -> checkpoint ---------------------------------------------------------------------------
-def official_to_checkpoint(state_dict, config: dict, out_root, step: int = 0) -> Path:
+def official_to_checkpoint(state_dict, config: dict, out_root, step: int = 0, metadata: dict | None = None) -> Path:
     """Write the official `state_dict` as a megaloop checkpoint under `out_root` (a new or empty directory) and
     return its step directory. It holds model/* arrays only, bit for bit the given tensors (dtype kept); its
-    metadata holds `config` (megaloop's resolved config tree as a dict) and ``"source": "official"``.
+    metadata holds `config` (megaloop's resolved config tree as a dict), ``"source": "official"`` and the entries
+    of `metadata` (e.g. the official config of a release folder).
 
     Train from it with ``checkpoint.resume=<out_root> checkpoint.load_optimizer=false`` (it holds no optimizer
     state). ConversionError (a CheckpointError) names every key that is unknown or does not fit the config."""
@@ -132,7 +185,7 @@ def official_to_checkpoint(state_dict, config: dict, out_root, step: int = 0) ->
         raise CheckpointError(f"{out_root}: exists and is not an empty directory; give a new directory for the "
                               "converted checkpoint (nothing is written into an existing run's checkpoints)")
     pieces = [Piece(MODEL_PREFIX + name, tuple(t.shape), (0,) * t.dim(), t) for name, t in weights.items()]
-    metadata = {"config": config, "source": "official", "tokens": 0}
+    metadata = {**(metadata or {}), "config": config, "source": "official", "tokens": 0}
     with Checkpointer(out_root, rank=0, world_size=1, async_save=False, keep=1) as saver:
         saver.save(step, pieces, metadata)
         result = saver.wait()
@@ -158,7 +211,7 @@ def official_weights(state_dict, model_cfg: dict) -> dict[str, torch.Tensor]:
             problems.append(f"entry {key!r} holds a {type(tensor).__name__}, not a tensor")
             continue
         try:
-            name = official_to_megaloop_name(key)
+            name = official_to_megaloop_name(key, model_cfg)
         except ConversionError:
             unknown.append(key)
             continue
@@ -224,6 +277,10 @@ def _fits_config(key: str, tensor: torch.Tensor, model_cfg: dict) -> list[str]:
         count = _size(model_cfg, _LAYER_COUNTS[m.group(1)])
         if count is not None and int(m.group(2)) >= count:
             return [f"{key!r}: block {m.group(2)} of {m.group(1)}, but model.{_LAYER_COUNTS[m.group(1)]}={count}"]
+    g = _GPT_BLOCK.fullmatch(key)
+    if g and int(g.group(1)) >= sum(_stack_sizes(model_cfg)):
+        return [f"{key!r}: block {g.group(1)}, but the GPT has n_prelude + n_core + n_coda = "
+                f"{sum(_stack_sizes(model_cfg))} blocks"]
     v = _VALUE_EMBED.fullmatch(key)
     if v:
         layers = sum(_size(model_cfg, f) or 0 for f in _LAYER_COUNTS.values())
@@ -238,10 +295,13 @@ def _fits_config(key: str, tensor: torch.Tensor, model_cfg: dict) -> list[str]:
 
 def _missing(found: dict, model_cfg: dict) -> list[str]:
     need = [EMBEDDING_KEY, "transformer.ln_f.weight"]
-    for stack, field in _LAYER_COUNTS.items():
-        need += [f"transformer.{stack}.{i}.{part}" for i in range(_size(model_cfg, field) or 0)
-                 for part in _REQUIRED_PARTS]
-    absent = [k for k in need if official_to_megaloop_name(k) not in found]
+    if is_gpt(model_cfg):
+        need += [f"transformer.h.{j}.{part}" for j in range(sum(_stack_sizes(model_cfg))) for part in _REQUIRED_PARTS]
+    else:
+        for stack, field in _LAYER_COUNTS.items():
+            need += [f"transformer.{stack}.{i}.{part}" for i in range(_size(model_cfg, field) or 0)
+                     for part in _REQUIRED_PARTS]
+    absent = [k for k in need if official_to_megaloop_name(k, model_cfg) not in found]
     return [f"missing keys {_listed(absent)}"] if absent else []
 
 
@@ -254,19 +314,23 @@ def checkpoint_to_official(checkpoint_dir) -> dict[str, torch.Tensor]:
     """Every model/* array of a committed checkpoint under its official key (dtype kept, bit for bit), plus
     ``lm_head.weight``: the very tensor of the embedding, as the official model ties them. Optimizer arrays are
     left out. The files are verified against the manifest first; CheckpointError names a corrupt file, and
-    ConversionError a model array with no official name."""
+    ConversionError a model array with no official name. A checkpoint whose config says arch gpt gets the
+    official GPT's names (``transformer.h.{j}``)."""
     reader = CheckpointReader(checkpoint_dir)
     names = model_array_names(reader)
+    model_cfg = checkpoint_model_section(reader)
     keys = {}
     unnamed = []
     for array in names:
         try:
-            keys[array] = megaloop_to_official_key(array[len(MODEL_PREFIX):])
+            keys[array] = megaloop_to_official_key(array[len(MODEL_PREFIX):], model_cfg)
         except ConversionError:
             unnamed.append(array)
     if unnamed:
-        raise ConversionError(f"{reader.path}: arrays {unnamed[:8]} have no official Parcae name (e.g. a GPT-only "
-                              "or renamed parameter); export them with `python -m checkpoints export` instead")
+        kind = "GPT" if is_gpt(model_cfg) else "Parcae"
+        raise ConversionError(f"{reader.path}: arrays {unnamed[:8]} have no name in the official {kind} (e.g. a "
+                              "parameter of another architecture, or renamed); export them with `python -m "
+                              "checkpoints export` instead")
     if "model/embed.weight" not in keys:
         raise ConversionError(f"{reader.path}: no model/embed.weight array; the official model needs its embedding "
                               "(the tied lm_head), give a checkpoint of a full model")
@@ -274,6 +338,13 @@ def checkpoint_to_official(checkpoint_dir) -> dict[str, torch.Tensor]:
     out = {keys[a]: reader.read(a) for a in names}
     out[TIED_HEAD_KEY] = out[EMBEDDING_KEY]
     return out
+
+
+def checkpoint_model_section(reader: CheckpointReader) -> dict:
+    """The model section of the config in a checkpoint's metadata ({} where none is recorded)."""
+    config = reader.metadata.get("config")
+    model = config.get("model") if isinstance(config, dict) else None
+    return model if isinstance(model, dict) else {}
 
 
 def model_array_names(reader: CheckpointReader) -> list[str]:
