@@ -1,4 +1,4 @@
-"""Command line: `python -m data_prep {tokenizer,shards,inspect,reindex,upload} ...` (see --help of each)."""
+"""Command line: `python -m data_prep {tokenizer,shards,synth,inspect,reindex,upload} ...` (see --help of each)."""
 from __future__ import annotations
 
 import argparse
@@ -108,6 +108,38 @@ def _add_unit_arguments(p) -> None:
                    "--output OUT` once every task has finished")
 
 
+def _add_synth_parser(commands) -> None:
+    p = commands.add_parser(
+        "synth", help="write a synthetic reasoning dataset (k-hop pointers, k-step arithmetic) as shards",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Write rows of a task whose answers need k sequential steps as ordinary shards (what `shards` "
+        "writes: train with data.shards=OUT and model.vocab_size=the vocabulary printed), with the task's "
+        "word-level tokenizer in OUT/tokenizer and the place and hops of every answer in OUT/synth-{train,val}.npy "
+        "(`megaloop eval RUN --tasks synth` reports accuracy by hops from them). Tasks: khop (a random cycle through "
+        "8 letters written as pairs 'c > h', then queries 'x k = y': y is k pointer steps from x; khop10, khop16: "
+        "through 10 or 16 letters) and modarith ('x +a *m -b ... = y', k operations modulo 7). Rows are seeded by "
+        "(seed, row), val rows from their own key stream, val tables unseen in train; the same options give the "
+        "same bytes.",
+        epilog="example:\n  python -m data_prep synth --task khop --out data/khop --hops 1..2\n"
+        "  python -m megaloop train configs/parcae-tiny.yaml --set data.shards=data/khop --set model.vocab_size=22 \\\n"
+        "      --set train.steps=400 --set optim.matrix_lr=0.02 --set optim.adam_lr=0.02 "
+        "--set optim.cooldown_fraction=0.3\n"
+        "  python -m megaloop eval runs/default --tasks synth --depths 1,2,4,8")
+    p.add_argument("--task", required=True, help="khop, khop10, khop16 or modarith")
+    p.add_argument("--out", required=True, type=LocalPath(), help="directory to write the dataset to")
+    p.add_argument("--hops", default=None, metavar="A..B",
+                   help="difficulties, drawn uniformly per query (default 1..4; at most: khop 7, khop10 9, khop16 "
+                   "15, modarith 16)")
+    p.add_argument("--rows", type=int, default=8192,
+                   help="train rows (default 8192; khop's 5040 distinct tables allow at most about 20000, so that "
+                   "val tables can be unseen)")
+    p.add_argument("--val-rows", type=int, default=512, help="held-out rows (default 512)")
+    p.add_argument("--seed", type=int, default=0, help="seed of every row's generator (default 0)")
+    p.add_argument("--seq-len", type=int, default=128, help="sequence length; rows hold seq_len + 1 tokens")
+    p.add_argument("--shard-size", type=int, default=8192, help="rows per shard (default 8192)")
+    p.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out")
+
+
 def _add_finalize_parser(commands) -> None:
     p = commands.add_parser("finalize", help="write the dataset once every work unit of a prep is committed",
                             description="Link the committed work units' shards into OUTPUT under global names and "
@@ -159,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     _add_tokenizer_parser(commands)
     _add_shards_parser(commands)
+    _add_synth_parser(commands)
     _add_finalize_parser(commands)
     _add_inspect_parser(commands)
     _add_reindex_parser(commands)
@@ -303,6 +336,23 @@ def _uses_units(args) -> bool:
     return any(detect_format(p.name)[0] != "text" for p in walk(Path(args.input[0]), args.glob))
 
 
+def run_synth(args) -> int:
+    from .synth import SynthOptions, parse_hops, task_named, write_synth
+
+    start = time.perf_counter()
+    options = SynthOptions(args.task, parse_hops(args.hops, task_named(args.task)), args.rows, args.val_rows,
+                           args.seed, args.seq_len, args.shard_size, args.overwrite)
+    manifest = write_synth(args.out, options)
+    for split, entry in manifest["synth"]["queries"].items():
+        info = manifest["splits"][split]
+        print(f"{split}: {info['rows']} rows, {entry['queries']} queries ({entry['queries'] / info['rows']:.1f} a row, "
+              f"{entry['queries'] / info['tokens']:.1%} of the tokens are answers)")
+    print(f"task {options.task}, hops {options.hops[0]}..{options.hops[1]}, vocabulary "
+          f"{manifest['tokenizer']['vocab_size']} (model.vocab_size), seq_len {options.seq_len}, written to "
+          f"{args.out} in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
 def run_finalize(args) -> int:
     from .finalize import finalize
     from .unit_cli import print_unit_summary
@@ -382,8 +432,8 @@ def run_reindex(args) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"tokenizer": run_tokenizer, "shards": run_shards, "finalize": run_finalize, "inspect": run_inspect,
-               "reindex": run_reindex, "upload": run_upload}[args.command]
+    handler = {"tokenizer": run_tokenizer, "shards": run_shards, "synth": run_synth, "finalize": run_finalize,
+               "inspect": run_inspect, "reindex": run_reindex, "upload": run_upload}[args.command]
     try:
         return handler(args)
     except DataPrepError as err:

@@ -279,10 +279,13 @@ def load_tokenizer(directory, encoder: str = "auto", verify: bool = True) -> Tra
     if encoder == "hf":
         return tok
     specials = {t: tok.vocab[t] for t in SPECIAL_TOKENS}
-    try:
-        tok.fast = build_tiktoken_encoding(f"data_prep-{tok.hash[:12]}", tok.vocab, specials, SPLIT_PATTERN)
-    except (ValueError, KeyError) as err:
-        tok.fast_problem = f"cannot build the fast encoder: {err}"
+    if content["model"].get("type") != "BPE":  # e.g. data_prep synth's word-level vocabulary: HF encodes it
+        tok.fast_problem = f"no fast encoder for a {content['model'].get('type')} tokenizer"
+    else:
+        try:
+            tok.fast = build_tiktoken_encoding(f"data_prep-{tok.hash[:12]}", tok.vocab, specials, SPLIT_PATTERN)
+        except (ValueError, KeyError) as err:
+            tok.fast_problem = f"cannot build the fast encoder: {err}"
     if tok.fast is not None and verify:
         sample_path = directory / SAMPLE_FILE
         samples = [EDGE_CASE_SAMPLE] + ([sample_path.read_text(encoding="utf-8")] if sample_path.is_file() else [])

@@ -12,8 +12,8 @@ from megaloop.eval.errors import EvalInputError
 from data_prep.paths import LocalPath
 
 HELP = ("evaluate a committed checkpoint at fixed loop depths T: loss and bits per byte on the validation split "
-        "and on any text, CORE and LAMBADA")
-TASK_GROUPS = ("val", "core", "lambada")
+        "and on any text, CORE, LAMBADA and answer accuracy on a synthetic reasoning dataset")
+TASK_GROUPS = ("val", "core", "lambada", "synth")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -22,8 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--depths", default=None, metavar="T,T,...",
                    help="loop depths to evaluate at, e.g. 1,2,4,8,16 (default 1, 2, 4, mu_rec, 2 mu_rec)")
     p.add_argument("--tasks", default="val", metavar="NAME,...",
-                   help="val (the validation split), core (every CORE task present), lambada, or CORE task names "
-                        "such as arc_easy,copa (default: val)")
+                   help="val (the validation split), core (every CORE task present), lambada, synth (answer "
+                        "accuracy and loss by hops on the val split of a `data_prep synth` dataset, the run's "
+                        "data.shards or --shards), or CORE task names such as arc_easy,copa (default: val)")
     p.add_argument("--text", type=LocalPath(), default=None, metavar="PATH",
                    help="also evaluate loss and bits per byte on this text file or directory of text files")
     p.add_argument("--shards", default=None, metavar="DIR",
@@ -36,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, metavar="N", help="score the first N examples of each task")
     p.add_argument("--val-rows", type=int, default=None, metavar="N",
                    help="evaluate the first N validation rows (default: the run's own validation set, "
-                        "data.val_batches x data.micro_batch_size rows, as the trainer validated)")
+                        "data.val_batches x data.micro_batch_size rows, as the trainer validated; synth: every row)")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp64"), default=None,
                    help="compute precision (default: the run's train.precision, as the trainer validated)")
     p.add_argument("--seed", type=int, default=None,
@@ -199,6 +200,11 @@ def _evaluate(args, loaded, depths, groups, specs, seed, shards, world) -> dict:
     if specs or "lambada" in groups:
         tokenizer = tokenizer or load_tokenizer_for(loaded, shards, args.tokenizer)
         out.update(_tasks(args, model, tokenizer, depths, groups, specs, seed, world))
+    if "synth" in groups:
+        from megaloop.eval.synth import evaluate_synth
+
+        out["synth"] = evaluate_synth(model, shards, depths, seed, args.batch_size, world, args.val_rows, autocast,
+                                      _bar(world, None, "synth batches"))
     return out
 
 
@@ -298,4 +304,8 @@ def format_report(out: dict) -> str:
     for t, r in out.get("lambada", {}).items():
         lines.append(f"LAMBADA at T={t}: last-word accuracy {_f(r['accuracy'])} [{_f(r['ci_low'])}, "
                      f"{_f(r['ci_high'])}] over {r['examples']}, perplexity {_f(r['perplexity'], 2)}")
+    if "synth" in out:
+        from megaloop.eval.synth import format_synth
+
+        lines += format_synth(out["synth"])
     return "\n".join(lines)
