@@ -29,6 +29,7 @@ parameter when it loads the checkpoint.
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -184,14 +185,29 @@ def official_to_checkpoint(state_dict, config: dict, out_root, step: int = 0, me
     if out_root.exists() and (not out_root.is_dir() or any(out_root.iterdir())):
         raise CheckpointError(f"{out_root}: exists and is not an empty directory; give a new directory for the "
                               "converted checkpoint (nothing is written into an existing run's checkpoints)")
-    pieces = [Piece(MODEL_PREFIX + name, tuple(t.shape), (0,) * t.dim(), t) for name, t in weights.items()]
     metadata = {**(metadata or {}), "config": config, "source": "official", "tokens": 0}
-    with Checkpointer(out_root, rank=0, world_size=1, async_save=False, keep=1) as saver:
-        saver.save(step, pieces, metadata)
-        result = saver.wait()
-    if result is None or not result.ok:
-        raise CheckpointError(f"{out_root}: the converted checkpoint was not committed "
-                              f"({result.error if result else 'no result'}); fix the cause and convert again")
+    return write_model_checkpoint(out_root, weights, metadata, step, "convert")
+
+
+def write_model_checkpoint(out_root: Path, weights: dict[str, torch.Tensor], metadata: dict, step: int,
+                           command: str) -> Path:
+    """Commit `weights` (megaloop name -> tensor) as the model/* arrays of a one-process checkpoint under
+    `out_root`, with `metadata`; returns the step directory. A failure removes the directory if this call made it,
+    and names `command` as what to run again."""
+    created = not out_root.exists()
+    pieces = [Piece(MODEL_PREFIX + name, tuple(t.shape), (0,) * t.dim(), t.contiguous()) for name, t in
+              weights.items()]
+    try:
+        with Checkpointer(out_root, rank=0, world_size=1, async_save=False, keep=1) as saver:
+            saver.save(step, pieces, metadata)
+            result = saver.wait()
+        if result is None or not result.ok:
+            raise CheckpointError(f"{out_root}: the checkpoint was not committed "
+                                  f"({result.error if result else 'no result'}); fix the cause and {command} again")
+    except BaseException:
+        if created:
+            shutil.rmtree(out_root, ignore_errors=True)
+        raise
     return result.path
 
 

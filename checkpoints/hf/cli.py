@@ -72,7 +72,7 @@ def cmd_export_hf(args) -> int:
 
 def cmd_import_hf(args) -> int:
     if args.step is not None and args.step < 0:
-        raise CheckpointError(f"--step {args.step}: give a step number >= 0")
+        raise CheckpointError(f"--step {args.step} is negative; give a step number >= 0")
     path = import_hf(Path(args.folder), Path(args.out), args.step)
     print(f"wrote {path} from {args.folder}; train from it with --set checkpoint.resume={args.out} --set "
           "checkpoint.load_optimizer=false, or evaluate it with python -m megaloop eval")
@@ -84,5 +84,5 @@ def _size(text: str):
     import re
 
     if not re.fullmatch(r"\d+|\d+(\.\d+)?\s*[KMGT]i?B", text.strip(), flags=re.IGNORECASE):
-        raise CheckpointError(f"--max-shard-size {text!r}: give bytes or a size such as 5GB or 500MB")
+        raise CheckpointError(f"--max-shard-size {text!r} is not a size; give bytes or a size such as 5GB or 500MB")
     return int(text) if text.strip().isdigit() else text.strip()

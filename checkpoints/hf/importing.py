@@ -9,15 +9,12 @@ checkpoint.load_optimizer=false`` or evaluated like any other.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
 
 from ..errors import CheckpointError
-from ..official import MODEL_PREFIX
-from ..pieces import Piece
-from ..save import Checkpointer
+from ..official import write_model_checkpoint
 from .export import FIELDS, TRAINING_FIELDS, WEIGHT_PREFIX
 
 
@@ -113,26 +110,5 @@ def import_hf(folder, out_root, step: int | None = None) -> Path:
     weights = checked_weights(read_weights(folder), expected_shapes(hf))
     if step is None:
         step = int((hf.get("megaloop") or {}).get("step") or 0)
-    config = {"model": megaloop_model_section(hf)}
-    return write_model_checkpoint(out_root, weights, config, step, "hugging-face")
-
-
-def write_model_checkpoint(out_root: Path, weights: dict[str, torch.Tensor], config: dict, step: int,
-                           source: str) -> Path:
-    """A committed checkpoint of model/* arrays with `config` in its metadata; a failure removes what it wrote."""
-    created = not out_root.exists()
-    pieces = [Piece(MODEL_PREFIX + name, tuple(t.shape), (0,) * t.dim(), t.contiguous()) for name, t in
-              sorted(weights.items())]
-    metadata = {"config": config, "source": source, "tokens": 0}
-    try:
-        with Checkpointer(out_root, rank=0, world_size=1, async_save=False, keep=1) as saver:
-            saver.save(step, pieces, metadata)
-            result = saver.wait()
-        if result is None or not result.ok:
-            raise CheckpointError(f"{out_root}: the checkpoint was not committed "
-                                  f"({result.error if result else 'no result'}); fix the cause and import again")
-    except BaseException:
-        if created:
-            shutil.rmtree(out_root, ignore_errors=True)
-        raise
-    return result.path
+    metadata = {"config": {"model": megaloop_model_section(hf)}, "source": "hugging-face", "tokens": 0}
+    return write_model_checkpoint(out_root, weights, metadata, step, "import")

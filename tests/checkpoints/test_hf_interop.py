@@ -25,7 +25,6 @@ from checkpoints.hf import write_hf_folder
 from megaloop.config import ModelConfig
 from megaloop.eval.generate import generate
 from megaloop.eval.scoring import Scorer
-from megaloop.model import build_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -42,19 +41,11 @@ KINDS = {
 
 def model_of(kind: str, seed: int = 1):
     """A small model of `kind` with every weight non-trivial (the reference init zeroes the output projections)."""
-    cfg = ModelConfig(**{**BASE, **KINDS[kind]})
-    cfg.validate()
-    model = build_model(cfg, seed=0)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            elif name.endswith(("A_log", "dt_bias")):
-                p.copy_(torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
-    return model.eval()
+    from tests.eval.eval_helpers import small_model
+
+    model = small_model(seed, **{**BASE, **KINDS[kind]})
+    model.cfg.validate()
+    return model
 
 
 @pytest.fixture(scope="module")
