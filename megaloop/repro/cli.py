@@ -20,21 +20,29 @@ HELP = ("reproduce the paper's claims at CPU scale: train the studies' points, e
 REPO = Path(__file__).resolve().parents[2]
 FULL_MINUTES = 50.0  # the studies' full sizes (budget 1) take about this long on an idle 2-core machine
 DEFAULT_MINUTES = 25.0  # the default (and the committed report's) budget: half the full sizes' steps
+SYNTH_FULL_MINUTES = 50.0  # --testbed synth: its full sizes, which are also its default and its committed report's
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--budget-minutes", type=float, default=None, metavar="M",
                    help=f"scale the full studies' training steps so that the whole report takes about M minutes "
                         f"on 2 idle cores (default {DEFAULT_MINUTES:g}, the committed report's; the studies' "
-                        f"full sizes are {FULL_MINUTES:g})")
+                        f"full sizes are {FULL_MINUTES:g}; --testbed synth: default and full "
+                        f"{SYNTH_FULL_MINUTES:g})")
     p.add_argument("--out", type=LocalPath(), default="docs/reproduction", metavar="DIR",
                    help="the report is DIR.md, its figures DIR/*.png (default docs/reproduction)")
     p.add_argument("--work", type=LocalPath(), default="runs/reproduction", metavar="DIR",
                    help="run folders, shards and checkpoints (default runs/reproduction; not for git)")
     p.add_argument("--smoke", action="store_true", help="toy sizes: every study in a few minutes (CI)")
+    p.add_argument("--testbed", choices=("corpus", "synth"), default="corpus",
+                   help="corpus (default): the studies on the text corpus, as the paper; synth: k-hop pointer "
+                        "chasing (`data_prep synth`), where the answer needs sequential steps and the loop has work "
+                        f"to do (its own studies f..i, full sizes about {SYNTH_FULL_MINUTES:g} minutes on 2 idle "
+                        "cores; its sections go into the same report, between markers)")
     p.add_argument("--studies", default=None, metavar="NAME,...",
                    help="studies to run and report, by name or letter: stability (a), depth_sampling (b), "
-                        "testtime (c), isoflop (d), throughput (e); default all")
+                        "testtime (c), isoflop (d), throughput (e); with --testbed synth: synth_depth (f), "
+                        "synth_sampling (g), synth_stability (h), synth_isoflop (i); default all of the testbed's")
     p.add_argument("--report-only", action="store_true", help="re-render the report from existing run artifacts")
     p.add_argument("--corpus", type=LocalPath(), default=str(REPO.parent / "shared" / "data" / "corpus"),
                    metavar="PATH",
@@ -63,13 +71,15 @@ def _check(args) -> None:
 def canonical_command(args, studies: list[str]) -> str:
     """The command that makes this report, without machine paths (what the report's header names)."""
     parts = ["python -m megaloop repro"]
+    if args.testbed != "corpus":
+        parts.append(f"--testbed {args.testbed}")
     if args.smoke:
         parts.append("--smoke")
     if args.budget_minutes is not None:
         parts.append(f"--budget-minutes {args.budget_minutes:g}")
     from megaloop.repro import registry
 
-    if studies != list(registry.NAMES):
+    if studies != [name for name, _, _ in registry.studies_of(args.testbed)]:
         parts.append(f"--studies {','.join(studies)}")
     return " ".join(parts)
 
@@ -81,17 +91,22 @@ def run_repro(args) -> int:
     from megaloop.repro.sizes import make_scale
 
     _check(args)
-    studies = registry.parse_selection(args.studies)
+    studies = registry.parse_selection(args.studies, args.testbed)
     loaded = {name: registry.load(name) for name in studies}
     work = Path(args.work).resolve()
     jobs = args.jobs or os.cpu_count() or 1
-    budget = (DEFAULT_MINUTES if args.budget_minutes is None else args.budget_minutes) / FULL_MINUTES
-    scale = make_scale("smoke" if args.smoke else "full", Path(args.corpus).resolve(), work, jobs, budget)
+    if args.testbed == "synth":
+        budget = (SYNTH_FULL_MINUTES if args.budget_minutes is None else args.budget_minutes) / SYNTH_FULL_MINUTES
+    else:
+        budget = (DEFAULT_MINUTES if args.budget_minutes is None else args.budget_minutes) / FULL_MINUTES
+    scale = make_scale("smoke" if args.smoke else "full", Path(args.corpus).resolve(), work, jobs, budget,
+                       args.testbed)
     points = {name: study.points(scale) for name, study in loaded.items()}
     dirs = {name: [runner.run_dir(scale, p) for p in pts] for name, pts in points.items()}
     if not args.report_only:
         data = shards.prepare(scale)
-        plans = [runner.plan_point(p, scale, data) for pts in points.values() for p in pts]
+        unique = {runner.run_dir(scale, p): p for pts in points.values() for p in pts}  # a study may read another's
+        plans = [runner.plan_point(p, scale, data) for p in unique.values()]
         if args.slurm is not None:
             from megaloop.repro.slurm_submit import submit
 

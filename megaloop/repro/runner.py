@@ -64,6 +64,8 @@ def config_hash(point: Point, scale: Scale, shards: Path) -> str:
     tree["data"].pop("shards", None)
     tree["repro"] = {"kind": point.kind, "eval_depths": list(point.eval_depths), "eval_rows": point.eval_rows,
                      "bench_steps": point.bench_steps, "nproc": point.nproc}
+    if point.eval_tasks != "val":  # only where it differs, so that the corpus points keep their hashes
+        tree["repro"]["eval_tasks"] = point.eval_tasks
     return hashlib.sha256(json.dumps(tree, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -204,7 +206,7 @@ class Runner:
 
     def _eval(self, plan: Plan) -> None:
         p = plan.point
-        cmd = [sys.executable, "-m", "megaloop", "eval", str(plan.dir), "--depths",
+        cmd = [sys.executable, "-m", "megaloop", "eval", str(plan.dir), "--tasks", p.eval_tasks, "--depths",
                ",".join(map(str, p.eval_depths)), "--val-rows", str(p.eval_rows), "--json"]
         self._capture(plan, cmd, plan.dir / "eval.json")
 

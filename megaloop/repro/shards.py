@@ -33,7 +33,10 @@ def corpus_for(scale: Scale) -> Path:
 
 
 def prepare(scale: Scale, quiet: bool = True) -> Path:
-    """WORK/shards/<scale>, made now unless it already holds shards of this corpus."""
+    """WORK/shards/<scale>, made now unless it already holds shards of this corpus (synth testbed: WORK/shards/
+    synth-<scale>, the scale's k-hop dataset)."""
+    if scale.testbed == "synth":
+        return prepare_synth(scale)
     out = scale.work / "shards" / scale.name
     corpus = corpus_for(scale)
     if (out / "manifest.json").is_file():
@@ -52,6 +55,29 @@ def prepare(scale: Scale, quiet: bool = True) -> Path:
     _run([sys.executable, "-m", "data_prep", "shards", "--input", str(corpus), "--tokenizer", str(tok),
           "--output", str(out), "--seq-len", str(s["seq_len"]), "--val-fraction", str(s["val_fraction"]), "--shard-size", "4096",
           "--overwrite", *q])
+    return out
+
+
+def prepare_synth(scale: Scale) -> Path:
+    """WORK/shards/synth-<scale>: the scale's synth dataset, written by `python -m data_prep synth` unless its
+    manifest already records these options (the generator is deterministic, so equal options mean equal bytes)."""
+    import json
+
+    from megaloop.repro.sizes import SYNTH_SIZES
+
+    s = SYNTH_SIZES[scale.name]
+    out = scale.work / "shards" / f"synth-{scale.name}"
+    want = {"task": s["task"], "hops": list(s["hops"]), "rows": s["rows"], "val_rows": s["val_rows"], "seed": 0,
+            "seq_len": s["seq_len"]}
+    try:
+        have = json.loads((out / "manifest.json").read_text()).get("parameters", {})
+    except (FileNotFoundError, json.JSONDecodeError):
+        have = {}
+    if all(have.get(k) == v for k, v in want.items()):
+        return out
+    _run([sys.executable, "-m", "data_prep", "synth", "--task", s["task"], "--out", str(out),
+          "--hops", f"{s['hops'][0]}..{s['hops'][1]}", "--rows", str(s["rows"]), "--val-rows", str(s["val_rows"]),
+          "--seq-len", str(s["seq_len"]), "--seed", "0", "--overwrite"])
     return out
 
 

@@ -29,7 +29,19 @@ def runner_overrides(scale: Scale) -> tuple[str, ...]:
     return (f"model.vocab_size={scale.vocab_size}", f"model.seq_len={scale.seq_len}", "train.progress=false")
 
 
-def make_scale(name: str, corpus, work, max_parallel: int, budget: float = 1.0) -> Scale:
-    s = SIZES[name]
+# the synth testbed: one k-hop dataset (`python -m data_prep synth`) per scale, shared by every point; its vocabulary
+# is the task's (khop: 22 ids) and the models are configs/*-synth.yaml, resized for smoke
+SYNTH_SIZES = {
+    "smoke": {"task": "khop", "hops": (1, 2), "rows": 512, "val_rows": 32, "seq_len": 64, "vocab_size": 22,
+              "model": ("model.d_model=32", "model.n_heads=2", "data.micro_batch_size=4", "data.global_batch_size=4",
+                        "data.val_batches=2")},
+    "full": {"task": "khop", "hops": (1, 2), "rows": 16384, "val_rows": 256, "seq_len": 128, "vocab_size": 22,
+             "model": ()},
+}
+TESTBEDS = ("corpus", "synth")
+
+
+def make_scale(name: str, corpus, work, max_parallel: int, budget: float = 1.0, testbed: str = "corpus") -> Scale:
+    s = SYNTH_SIZES[name] if testbed == "synth" else SIZES[name]
     return Scale(name=name, corpus=corpus, work=work, max_parallel=max_parallel, budget=budget,
-                 seq_len=s["seq_len"], vocab_size=s["vocab_size"])
+                 seq_len=s["seq_len"], vocab_size=s["vocab_size"], testbed=testbed)

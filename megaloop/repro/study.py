@@ -26,6 +26,7 @@ class Scale:
     budget: float = 1.0       # multiplier of the full studies' training steps (from --budget-minutes; 1 for smoke)
     seq_len: int = 128        # the rows of the scale's shards: every point trains at this model.seq_len
     vocab_size: int = 4096    # the scale's tokenizer: every point's model.vocab_size (the runner sets both first)
+    testbed: str = "corpus"   # what the studies train on: "corpus" (text, the paper's setting) or "synth" (k-hop)
 
     def steps(self, full: int, smoke: int) -> int:
         """A study's step count at this scale: `smoke` for smoke, `full` x budget (at least 10) for full."""
@@ -53,6 +54,8 @@ class Point:
     eval_rows: int = 256  # validation rows the evaluation scores (the first ones: the same rows for every point)
     kind: str = "train"   # train | bench (`megaloop bench` -> bench.json) | ragged (ragged vs masked loop -> ragged.json)
     bench_steps: int = 10  # kind bench/ragged: measured steps (micro-batches for ragged), after 2 warm-up steps
+    eval_tasks: str = "val"  # what the evaluation scores (`megaloop eval --tasks`): val, or synth (answer accuracy
+    #                          and loss by hops on the synth testbed's held-out rows, eval.json's "synth")
 
 
 @dataclass(frozen=True)

@@ -64,40 +64,61 @@ def flop_costs(config: str, overrides: tuple[str, ...], mu_values: tuple[int, ..
     return out
 
 
+@dataclass(frozen=True)
+class Metric:
+    """What an isoFLOP point is judged by: `read` gives the point's number (lower is better), `label` names it in
+    tables and axes, `describe` in the text; `evaluation` is what the point's Point adds to be evaluated for it."""
+
+    read: object        # (runs, point) -> Value
+    label: str
+    describe: str
+    evaluation: object = None  # (scale, mu_rec) -> dict of Point fields (and "labels" to add), or None: the
+    #                            trainer's validation
+
+
+VAL_LOSS = Metric(lambda runs, p: runs.scalar(p, "summary.json", f"val.{p.labels['mu_rec']}.val_loss"),
+                  "val loss at T = mu_rec", "each run's final validation loss at T = mu_rec")
+
+
 class IsoFlopStudy:
-    name = "isoflop"
-    title = "isoFLOP: the compute-optimal loop count"
+    """The isoFLOP grid on the text corpus by default; the synth testbed's (i) judges its points by answer loss."""
+
+    def __init__(self, name: str = "isoflop", title: str = "isoFLOP: the compute-optimal loop count",
+                 config: str = CONFIG, sizes: dict = SIZES, metric: Metric = VAL_LOSS):
+        self.name, self.title, self.config, self.sizes, self.metric = name, title, config, sizes, metric
 
     def points(self, scale: Scale) -> list[Point]:
         from slurm.sweep import grid
 
-        size = SIZES[scale.name]
+        size = self.sizes[scale.name]
         base = (*data_shape(scale), *size.model, *FIXED)
-        costs = flop_costs(CONFIG, base, size.mu_values)
+        costs = flop_costs(self.config, base, size.mu_values)
         budgets = [b * (getattr(scale, "budget", 1.0) if scale.name == "full" else 1.0) for b in size.budgets]
         low = costs[min(size.mu_values)]
         budgets += [float(f"{n * low.flops_per_token * low.tokens_per_step:.3g}") for n in size.base_steps]
         out = []
         for g in grid(list(size.mu_values), budgets, costs, "", FIXED):
             extra = tuple(o for o in g.overrides if o not in FIXED)  # model.mu_rec, train.steps
-            out.append(Point(self.name, Path(g.out_dir).name, CONFIG,
+            extra_fields = dict(self.metric.evaluation(scale, g.mu_rec)) if self.metric.evaluation else {}
+            more_labels = extra_fields.pop("labels", {})
+            out.append(Point(self.name, Path(g.out_dir).name, self.config,
                              (*base, *extra, f"train.val_every={g.steps}", f"train.val_depths=[{g.mu_rec}]"),
                              labels={"mu_rec": g.mu_rec, "budget": g.budget, "steps": g.steps,
                                      "flops_per_token": g.flops_per_token, "tokens_per_step": g.tokens_per_step,
-                                     "mu_bwd": g.mu_bwd}))
+                                     "mu_bwd": g.mu_bwd, **more_labels}, **extra_fields))
         return out
 
     def analyse(self, scale: Scale, runs: Artifacts, out: Writer) -> None:
-        write_section(self.points(scale), SIZES[scale.name].boot, runs, out)
+        write_section(self.points(scale), self.sizes[scale.name].boot, runs, out, self.config, self.metric)
 
 
-def read_point(runs: Artifacts, p: Point) -> dict[str, Value]:
-    """One finished point: its final validation loss at T = mu_rec, its trained tokens, its useful FLOPs (the
-    depths it sampled) and its nominal FLOPs (trained tokens x FLOPs per token at T = mu_rec, what the budget buys)."""
-    mu = p.labels["mu_rec"]
+def read_point(runs: Artifacts, p: Point, metric: Metric = VAL_LOSS) -> dict[str, Value]:
+    """One finished point: its metric (by default the final validation loss at T = mu_rec), its trained tokens, its
+    useful FLOPs (the depths it sampled) and its nominal FLOPs (trained tokens x FLOPs per token at T = mu_rec, what
+    the budget buys)."""
     tokens = runs.scalar(p, "summary.json", "tokens")
     fpt = p.labels["flops_per_token"]
-    return {"loss": runs.scalar(p, "summary.json", f"val.{mu}.val_loss"), "tokens": tokens,
+    return {"loss": metric.read(runs, p), "tokens": tokens,
             "useful": runs.scalar(p, "summary.json", "useful_flops"),
             "mu_rec": runs.scalar(p, "config.json", "model.mu_rec"),
             "nominal": runs.derived(tokens.value * fpt, [tokens],
@@ -111,17 +132,18 @@ def budget_groups(points: list[Point]) -> dict[float, list[Point]]:
     return dict(sorted(groups.items()))
 
 
-def write_section(points: list[Point], boot: int, runs: Artifacts, out: Writer) -> None:
+def write_section(points: list[Point], boot: int, runs: Artifacts, out: Writer, config: str = CONFIG,
+                  metric: Metric = VAL_LOSS) -> None:
     from megaloop.laws.fit import FitError
     from megaloop.laws.isoflop import fit_isoflop
 
     groups = budget_groups(points)
-    data = {p.name: read_point(runs, p) for p in points}
-    out.text(f"Parcae models ({CONFIG}, mu_bwd = ceil(mu_rec / 2)) at mu_rec in "
+    data = {p.name: read_point(runs, p, metric) for p in points}
+    out.text(f"Parcae models ({config}, mu_bwd = ceil(mu_rec / 2)) at mu_rec in "
              f"{{{', '.join(str(m) for m in sorted({p.labels['mu_rec'] for p in points}))}}}, each trained on the "
              f"tokens its FLOP budget buys at its mu_rec (steps = round(budget / FLOPs-per-token / tokens-per-step), "
-             f"the Slurm isoFLOP sweep's rule; FLOPs per token from `python -m megaloop flops`). The loss is each "
-             f"run's final validation loss at T = mu_rec.")
+             f"the Slurm isoFLOP sweep's rule; FLOPs per token from `python -m megaloop flops`). The loss is "
+             f"{metric.describe}.")
     budget_of = {}  # point name -> the Value of its budget (the mean nominal FLOPs of its group)
     for budget, group in groups.items():
         nominal = [data[p.name]["nominal"] for p in group]
@@ -137,7 +159,7 @@ def write_section(points: list[Point], boot: int, runs: Artifacts, out: Writer) 
         rows.append([f"{p.labels['budget']:.3g}", d["mu_rec"], str(p.labels["steps"]), d["tokens"], d["nominal"],
                      off, d["useful"], d["loss"]])
     out.table(["budget", "mu_rec", "steps", "tokens D", "nominal FLOPs", "off budget", "useful FLOPs (sampled T)",
-               "val loss at T = mu_rec"], rows)
+               metric.label], rows)
     cols = {"flops": [budget_of[p.name].value for p in points], "mu_rec": [data[p.name]["mu_rec"].value for p in points],
             "tokens": [data[p.name]["tokens"].value for p in points], "loss": [data[p.name]["loss"].value for p in points]}
     inputs = [v for p in points for v in (data[p.name]["loss"], data[p.name]["tokens"], budget_of[p.name])]
@@ -150,7 +172,7 @@ def write_section(points: list[Point], boot: int, runs: Artifacts, out: Writer) 
         return
     _budget_table(fit, groups, data, budget_of, runs, out)
     params = _params_table(fit, inputs, runs, out)
-    _figures(fit, groups, data, budget_of, params, out)
+    _figures(fit, groups, data, budget_of, params, out, metric.label)
     _verdict(fit, groups, data, budget_of, params, runs, out)
 
 
@@ -202,7 +224,7 @@ def _params_table(fit, inputs, runs, out) -> dict:
     return params
 
 
-def _figures(fit, groups, data, budget_of, params, out) -> None:
+def _figures(fit, groups, data, budget_of, params, out, ylabel: str = VAL_LOSS.label) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -223,7 +245,7 @@ def _figures(fit, groups, data, budget_of, params, out) -> None:
             opt = b[f"{tag}_opt"]
             if np.isfinite(opt) and x.min() / 2 <= opt <= 2 * x.max():  # a vertex far off the grid: in the table
                 ax.axvline(opt, ls=":", color=line.get_color())
-    axes[0].set(xscale="log", xlabel="mu_rec", ylabel="val loss at T = mu_rec", title="isoFLOP curves in mu_rec")
+    axes[0].set(xscale="log", xlabel="mu_rec", ylabel=ylabel, title="isoFLOP curves in mu_rec")
     axes[1].set(xscale="log", xlabel="training tokens D", title="isoFLOP curves in D")
     c = np.array([b["flops"] for b in fit["budgets"]])
     for tag, label, paper in (("mu", "mu*", 0.40), ("D", "D*", 0.78)):
