@@ -120,11 +120,9 @@ def _add_synth_parser(commands) -> None:
         "through 10 or 16 letters) and modarith ('x +a *m -b ... = y', k operations modulo 7). Rows are seeded by "
         "(seed, row), val rows from their own key stream, val tables unseen in train; the same options give the "
         "same bytes.",
-        epilog="example:\n  python -m data_prep synth --task khop --out data/khop --hops 1..2\n"
-        "  python -m megaloop train configs/parcae-tiny.yaml --set data.shards=data/khop --set model.vocab_size=22 \\\n"
-        "      --set train.steps=400 --set optim.matrix_lr=0.02 --set optim.adam_lr=0.02 "
-        "--set optim.cooldown_fraction=0.3\n"
-        "  python -m megaloop eval runs/default --tasks synth --depths 1,2,4,8")
+        epilog="example:\n  python -m data_prep synth --task khop --out data/khop --hops 1..2 --rows 16384\n"
+        "  python -m megaloop train configs/parcae-synth.yaml --set data.shards=data/khop --set train.out_dir=runs/khop\n"
+        "  python -m megaloop eval runs/khop --tasks synth --depths 1,2,4,8,16")
     p.add_argument("--task", required=True, help="khop, khop10, khop16 or modarith")
     p.add_argument("--out", required=True, type=LocalPath(), help="directory to write the dataset to")
     p.add_argument("--hops", default=None, metavar="A..B",

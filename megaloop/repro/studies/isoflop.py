@@ -313,6 +313,7 @@ def _verdict(fit, groups, data, budget_of, params, runs, out) -> None:
         spreads.append(runs.derived(tok[-1].value / tok[0].value, [tok[0], tok[-1]],
                                     "most / fewest tokens within one budget"))
     d_spread = max(spreads, key=lambda v: v.value)
+    lines += _optimum_moves(groups, data, mus, out)
     out.text("What this can and cannot say about the paper's exponents (mu* ~ C^0.40, D* ~ C^0.78, fitted there on "
              "isoFLOP curves of far larger models over budgets spanning orders of magnitude):\n\n"
              + "\n".join(lines) + "\n\n"
@@ -320,16 +321,40 @@ def _verdict(fit, groups, data, budget_of, params, runs, out) -> None:
              f"of magnitude: over so short a lever arm a small error in each budget's vertex moves the slope a lot, "
              f"and the bootstrap interval covers only the scatter of these few points, not the model's "
              f"systematic errors (below).\n"
-             f"- At this width the terms that do not grow with depth (prelude, coda, and the tied head over the "
-             f"vocabulary) dominate the FLOPs per token, so at a fixed budget the token count changes only "
-             f"by a factor of at most {out.num(d_spread, '.2g')} from mu_rec = {mus[0]} to {mus[-1]}: D* is nearly fixed by C "
-             f"(D ~ C), which pulls gamma_D towards 1 by construction, not because of looping. In the paper the loop dominates the "
-             f"FLOPs, so trading depth for tokens is a real trade-off.\n"
-             f"- Each run is short (tens to a few hundred steps): the losses compared are early-training losses, "
-             f"where learning-rate warmup and the optimizer's momentum warmup weigh as much as the model's shape; the "
-             f"paper's runs are trained far past that.\n"
-             f"- Hence a CPU-scale gamma_mu is at best a sign (whether the optimal loop count grows with compute), not "
-             f"a measurement of 0.40.")
+             + _token_trade(d_spread, mus, out) +
+             "- Each run is short (tens to a few hundred steps): the losses compared are early-training losses, "
+             "where learning-rate warmup and the optimizer's momentum warmup weigh as much as the model's shape; the "
+             "paper's runs are trained far past that.\n"
+             "- Hence a CPU-scale gamma_mu is at best a sign (whether the optimal loop count grows with compute), not "
+             "a measurement of 0.40.")
+
+
+def _token_trade(d_spread: Value, mus: list[int], out: Writer) -> str:
+    """The bullet on how much a deeper loop costs in tokens at a fixed budget (D* is informative only if it varies)."""
+    if d_spread.value < 2:
+        return (f"- At this width the terms that do not grow with depth (prelude, coda, and the tied head over the "
+                f"vocabulary) dominate the FLOPs per token, so at a fixed budget the token count changes only by a "
+                f"factor of at most {out.num(d_spread, '.2g')} from mu_rec = {mus[0]} to {mus[-1]}: D* is nearly "
+                f"fixed by C (D ~ C), which pulls gamma_D towards 1 by construction, not because of looping. In the "
+                f"paper the loop dominates the FLOPs, so trading depth for tokens is a real trade-off.\n")
+    return (f"- At a fixed budget the token count changes by a factor of up to {out.num(d_spread, '.2g')} from "
+            f"mu_rec = {mus[0]} to {mus[-1]}: the loop dominates the FLOPs per token, so depth is traded against "
+            f"data, as in the paper.\n")
+
+
+def _optimum_moves(groups: dict, data: dict, mus: list[int], out: Writer) -> list[str]:
+    """Where each budget's best measured mu_rec lies in the grid, and whether it moves deeper with compute."""
+    best = [(b, min(g, key=lambda p: data[p.name]["loss"].value)) for b, g in groups.items() if len(g) >= 3]
+    if len(best) < 2:
+        return []
+    where = [f"{out.num(data[p.name]['mu_rec'], 'g')} at {b:.3g} FLOPs"
+             f"{' (inside the grid)' if mus[0] < p.labels['mu_rec'] < mus[-1] else ' (an edge of the grid)'}"
+             for b, p in best]
+    deeper = [p.labels["mu_rec"] for _, p in best]
+    sign = ("it moves to deeper loops as compute grows: the sign of the paper's gamma_mu > 0, though two budgets "
+            "give no exponent" if all(a <= b for a, b in zip(deeper, deeper[1:])) and deeper[-1] > deeper[0] else
+            "it does not move to deeper loops as compute grows here")
+    return [f"- The best measured mu_rec per budget: {'; '.join(where)}; {sign}."]
 
 
 STUDY = IsoFlopStudy()

@@ -20,6 +20,7 @@ from megaloop.repro.models import CONFIG, LABELS, PAPER_LR_SMALL, VARIANTS, lr_o
 from megaloop.repro.sizes import base_overrides
 from megaloop.repro.study import Point, Scale, Value
 
+DOC = __doc__  # the corpus sweep's section text (a class body's __doc__ would be the class's docstring)
 MULTIPLIERS = (1, 4, 16, 32, 64)
 SMOKE_MULTIPLIERS = (1, 64)
 
@@ -30,7 +31,7 @@ class Stability:
     def __init__(self, name: str = "stability", title: str = "Stability across a learning-rate sweep",
                  config: str = CONFIG, loop: tuple[str, ...] = (), mu_rec: int = 4, base_lr: float = PAPER_LR_SMALL,
                  multipliers: tuple = MULTIPLIERS, smoke_multipliers: tuple = SMOKE_MULTIPLIERS,
-                 steps: tuple[int, int] = (160, 8), sizing=base_overrides, doc: str = __doc__):
+                 steps: tuple[int, int] = (160, 8), sizing=base_overrides, doc: str = DOC):
         self.name, self.title, self.config, self.loop, self.mu_rec = name, title, config, loop, mu_rec
         self.base_lr, self.multipliers, self.smoke_multipliers = base_lr, multipliers, smoke_multipliers
         self.full_steps, self.smoke_steps, self.sizing, self.doc = *steps, sizing, doc
@@ -119,14 +120,20 @@ class Stability:
             out.text("**Agrees with the paper**: Parcae converged at every learning rate of the sweep, while an "
                      "unconstrained injection diverged at some.")
         elif parcae_all:
+            blown = [LABELS[v] for v in VARIANTS if blew[v]]
+            state = (f"The loop's state did blow up without the loss diverging, for {', '.join(blown)} (the state "
+                     f"column)" + ("; for Parcae too: rho(A) < 1 bounds only the injection's linear map, and the "
+                                   "core's residual update is not contracting, so at the highest learning rate it "
+                                   "grew Parcae's state as well" if blew["parcae"] else "") + "."
+                     if blown else "||h_T|| stayed bounded for every injection as well.")
             out.text("**Does not reproduce the divergence**: at this scale every injection converged across the "
                      "sweep, so the claim that only Parcae converges is not tested here. Likely cause: the runs are "
                      f"short ({self._steps(pts)} steps) of a small model (mu_rec {self.mu_rec}), and Muon's "
                      "orthogonalised updates bound each step's change of W_1, so rho(A) of the RDM injection has "
-                     "little time to grow past 1 and ||h_T|| little depth to blow up; the paper's divergences appear "
-                     "at 100M+ parameters over thousands of steps. The mechanism is visible in the table all the same: "
-                     "Parcae's rho(A) stays below 1 by construction, the additive injection's is exactly 1 and the "
-                     "RDM injection's is not bounded.")
+                     "little time to grow past 1; the paper's divergences appear at 100M+ parameters over thousands "
+                     f"of steps. {state} The mechanism is visible in the table all the same: Parcae's rho(A) stays "
+                     "below 1 by construction, the additive injection's is exactly 1 and the RDM injection's is not "
+                     "bounded.")
         else:
             out.text("**Disagrees with the paper**: Parcae did not converge at every learning rate of the sweep "
                      "(see the table); at this scale the instability of the highest learning rates is not only the "
