@@ -133,22 +133,25 @@ def test_study_selection_per_testbed():
         parse_selection("synth_depth", "corpus")
 
 
-def test_config_hash_names_the_synth_evaluation_only_where_it_is_used(tmp_path):
-    """A corpus point's hash is what it was before points had eval_tasks (recomputed here from its config); a synth
-    evaluation changes the hash, so a run evaluated one way is never taken for the other."""
+def test_config_hash_names_the_synth_evaluation_only_where_it_is_used(synth):
+    """A point evaluated on the validation split hashes as points did before they had eval_tasks (recomputed here from
+    its config), so the corpus testbed's finished runs are still recognised; a synth evaluation changes the hash, so
+    a run evaluated one way is never taken for the other."""
     from dataclasses import replace
 
     from megaloop.config import load_config
     from megaloop.repro.runner import config_hash, overrides
-    from megaloop.repro.sizes import make_scale
+    from megaloop.repro.sizes import SYNTH_SIZES, make_scale
     from megaloop.repro.study import Point
 
-    scale = make_scale("smoke", tmp_path, tmp_path / "work", 1)
-    p = Point("s", "p", "configs/parcae-tiny.yaml", ("train.steps=5",), eval_depths=(1, 2))
-    tree = load_config(REPO / p.config, overrides(p, scale, tmp_path / "shards")).to_dict()
+    scale = make_scale("smoke", Path("."), synth["work"], 1, testbed="synth")
+    shards = synth["work"] / "shards" / "synth-smoke"
+    p = Point("s", "p", "configs/parcae-synth.yaml", (*SYNTH_SIZES["smoke"]["model"], "train.steps=5"),
+              eval_depths=(1, 2))
+    tree = load_config(REPO / p.config, overrides(p, scale, shards)).to_dict()
     for section, key in (("train", "out_dir"), ("train", "progress"), ("data", "shards")):
         tree[section].pop(key, None)
     tree["repro"] = {"kind": "train", "eval_depths": [1, 2], "eval_rows": 256, "bench_steps": 10, "nproc": 1}
     expected = hashlib.sha256(json.dumps(tree, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    assert config_hash(p, scale, tmp_path / "shards") == expected
-    assert config_hash(replace(p, eval_tasks="synth"), scale, tmp_path / "shards") != expected
+    assert config_hash(p, scale, shards) == expected
+    assert config_hash(replace(p, eval_tasks="synth"), scale, shards) != expected
