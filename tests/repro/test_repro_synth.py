@@ -155,3 +155,20 @@ def test_config_hash_names_the_synth_evaluation_only_where_it_is_used(synth):
     expected = hashlib.sha256(json.dumps(tree, sort_keys=True, default=str).encode()).hexdigest()[:16]
     assert config_hash(p, scale, shards) == expected
     assert config_hash(replace(p, eval_tasks="synth"), scale, shards) != expected
+
+
+def test_synth_twins_have_equal_parameters_and_are_the_studies_variants():
+    """gpt-synth and rdm-synth are parcae-synth's twins of (nearly) equal parameters, and the RDM the stability study
+    trains is rdm-synth.yaml: its overrides on parcae-synth resolve to the same model."""
+    from megaloop.config import load_config
+    from megaloop.model import build_model, count_parameters
+    from megaloop.repro.models import VARIANTS
+
+    def params(cfg) -> int:
+        return count_parameters(build_model(cfg.model, device="meta"))
+
+    configs = {name: load_config(REPO / "configs" / f"{name}-synth.yaml") for name in ("parcae", "gpt", "rdm")}
+    counts = {name: params(cfg) for name, cfg in configs.items()}
+    assert counts["gpt"] < counts["parcae"] and all(abs(n / counts["parcae"] - 1) < 0.05 for n in counts.values())
+    studied = load_config(REPO / "configs" / "parcae-synth.yaml", list(VARIANTS["rdm"])).model
+    assert studied == configs["rdm"].model
