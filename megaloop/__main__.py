@@ -162,9 +162,16 @@ def _check(cfg) -> int:
 
     from megaloop.model import build_model, count_parameters
 
+    from megaloop.config.budget import budget_line
+
     n = count_parameters(build_model(cfg.model, device="meta"))
     print(json.dumps(cfg.to_dict(), indent=2))
     print(f"model: {n / 1e6:.2f}M parameters")
+    print(f"run: {budget_line(cfg)}")
+    o = cfg.optim
+    rates = (f"Muon (matrices) lr {o.matrix_lr:g}, AdamW (the rest) lr {o.adam_lr:g}" if o.name == "muon"
+             else f"AdamW lr {o.adam_lr:g}")
+    print(f"optimizer: {o.name}: {rates}")
     return 0
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import yaml
 
+from megaloop.config.budget import check_one_length, merge_lengths, resolve_steps
 from megaloop.config.errors import ConfigError, ConfigFileError, suggest
 from megaloop.config.tree import Config
 
@@ -19,9 +20,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     raw: dict = {}
     if path is not None:
         raw = _read_config_file(Path(path))
+        check_one_length(raw.get("train"), f"in {path}")
+    given: dict = {}
     for item in overrides:
+        _apply_override(given, item)
         _apply_override(raw, item)
+    check_one_length(given.get("train"), "on the command line")
+    if isinstance(raw.get("train"), dict) and isinstance(given.get("train"), dict):
+        merge_lengths(raw["train"], set(given["train"]))
     cfg = from_dict(Config, raw, prefix="")
+    resolve_steps(cfg)
     if validate:
         cfg.validate(world_size=world_size)
     return cfg

@@ -89,6 +89,8 @@ class DataConfig:
     prefetch_steps: int = 8  # streamed shards of the next prefetch_steps batches are downloaded ahead
     retries: int = 6  # attempts per object on connection resets, timeouts and 5xx, before a clear error
     retry_backoff_s: float = 0.5  # the first wait between attempts, doubled after each
+    packing: str | None = None  # bestfit | stream: how the shards must have been packed (`data_prep shards
+    #                              --packing`, recorded in their manifest; older manifests: stream); None: either
     max_epochs: int | None = None  # end the run (saved, COMPLETED) before a batch that would hold a sample of epoch
     #                                 max_epochs (0-based), i.e. after max_epochs passes over the corpus (of a mix:
     #                                 over the first of its corpora to get there)
@@ -117,6 +119,8 @@ class DataConfig:
                                             or self.max_epochs < 1):
             raise ConfigError("data.max_epochs", self.max_epochs, "must be an integer >= 1 (passes over the corpus) "
                               "or null")
+        if self.packing is not None:
+            check_choice("data.packing", self.packing, ("bestfit", "stream"))
         check_choice("data.verify", self.verify, ("full", "fast", "none"))
         check_choice("data.on_corrupt", self.on_corrupt, ("error", "skip"))
 
@@ -125,7 +129,9 @@ class DataConfig:
 class TrainConfig:
     """The training loop."""
 
-    steps: int = 1000
+    steps: int = 1000  # optimizer steps; or give train.tokens instead (exactly one of the two)
+    tokens: int | str | None = None  # the run's budget in tokens (104e9, 104B): steps = ceil(tokens / (global batch x
+    #                              seq_len)), resolved when the config is loaded (megaloop/config/budget.py)
     out_dir: str = "runs/default"
     seed: int = 0
     precision: str = "auto"  # auto (bf16 where native, else fp32) | bf16 | fp32 | fp64 (see train/precision.py)

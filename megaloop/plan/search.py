@@ -20,12 +20,13 @@ from megaloop.model import build_model, count_parameters
 from megaloop.plan.activations import CHECKPOINTING
 from megaloop.plan.comm import Cluster, DpComm
 from megaloop.plan.gpus import GIB, Gpu
+from megaloop.plan.run_length import RunLength
 from megaloop.plan.layout import local_params, resolve_layout
 from megaloop.plan.pipeline import pipeline_plan
 from megaloop.plan.planner import Plan
 from megaloop.plan.time_model import Device, TimePlan, time_plan
 
-JSON_KEYS = ("step_time_s", "tokens_per_s", "days", "exposed_comm_fraction", "peak_gib", "layout")
+JSON_KEYS = ("step_time_s", "tokens_per_s", "days", "gpu_hours", "run", "exposed_comm_fraction", "peak_gib", "layout")
 
 
 @dataclass(frozen=True)
@@ -44,11 +45,12 @@ class Estimate:
                 "activation_checkpointing": cfg.train.activation_checkpointing,
                 "grad_reduce_dtype": cfg.parallel.grad_reduce_dtype, "sequence_parallel": lay.sp}
 
-    def as_dict(self, tokens: float | None) -> dict:
-        """The JSON keys (`JSON_KEYS`) and the step's breakdown under "time"."""
-        t = self.time
-        return {"step_time_s": t.step_time_s, "tokens_per_s": t.tokens_per_s,
-                "days": t.days(tokens) if tokens else None, "exposed_comm_fraction": t.exposed_comm_fraction,
+    def as_dict(self, run: RunLength) -> dict:
+        """The JSON keys (`JSON_KEYS`), the step's breakdown under "time" and the whole run under "run"."""
+        t, gpus = self.time, self.plan.layout.world
+        return {"step_time_s": t.step_time_s, "tokens_per_s": t.tokens_per_s, "days": run.days(t.step_time_s),
+                "gpu_hours": run.gpu_hours(t.step_time_s, gpus), "run": run.as_dict(t.step_time_s, gpus),
+                "exposed_comm_fraction": t.exposed_comm_fraction,
                 "peak_gib": self.peak_bytes / GIB, "layout": self.layout(),
                 "time": {"compute_s": t.compute_s, "optimizer_s": t.optimizer_s, "tp_exposed_s": t.tp_s,
                          "pp_exposed_s": t.pp_s, "dp_reduce_s": t.dp.reduce_s, "dp_gather_s": t.dp.gather_s,

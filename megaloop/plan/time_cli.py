@@ -11,6 +11,7 @@ from megaloop.plan.checkpoint_cost import CheckpointCost, checkpoint_cost, check
 from megaloop.plan.comm import Cluster, DpComm, Link
 from megaloop.plan.gpus import GPUS, Gpu
 from megaloop.plan.planner import Plan
+from megaloop.plan.run_length import RunLength, run_length
 from megaloop.plan.search import Estimate, Planner, peak_bytes, search
 from megaloop.plan.time_model import DEFAULT_EFFICIENCY, device_for, time_plan
 from megaloop.plan.time_report import assumptions, ranking_lines, time_lines
@@ -25,7 +26,7 @@ def add_time_arguments(p) -> None:
                    help="dense peak per GPU in TFLOP/s (default: NVIDIA's bf16 figure; cpu: the cached measurement "
                    "of `python -m megaloop peak`)")
     p.add_argument("--tokens", type=float, default=None, metavar="N", help="token budget, e.g. 100e9: prints the "
-                   "days it takes")
+                   "days and GPU-hours it takes (default: the config's run, train.tokens or train.steps)")
     p.add_argument("--intra-gbps", type=float, default=450.0, metavar="B",
                    help="intra-node bus bandwidth per GPU and direction, GB/s (default 450: NVLink 4)")
     p.add_argument("--intra-latency-us", type=float, default=1.0, metavar="US",
@@ -94,20 +95,20 @@ def planner_for(args, cfg: Config, world: int) -> Planner:
 class TimeSection:
     est: Estimate
     planner: Planner
-    tokens: float | None
+    run: RunLength
     checkpoint: CheckpointCost
     storage_gbps: float
 
     def merged(self, memory: dict) -> dict:
         """The memory plan's dict with the time keys and "checkpoint"; its "layout" gains micro_batch,
         activation_checkpointing and grad_reduce_dtype."""
-        out = self.est.as_dict(self.tokens)
+        out = self.est.as_dict(self.run)
         layout = memory.get("layout", {}) | out.pop("layout")
         return memory | out | {"layout": layout, "checkpoint": self.checkpoint.as_dict()}
 
     def text(self) -> str:
         p = self.planner
-        lines = time_lines(self.est, self.tokens, p.device, p.cluster, p.comm)
+        lines = time_lines(self.est, self.run, p.device, p.cluster, p.comm)
         return "\n" + "\n".join(lines + checkpoint_lines(self.checkpoint, self.est.plan.cfg, self.storage_gbps))
 
 
@@ -116,7 +117,7 @@ def time_section(args, plan: Plan) -> TimeSection:
     planner = planner_for(args, plan.cfg, plan.layout.world)
     est = Estimate(plan, time_plan(plan, planner.device, planner.cluster, planner.comm), peak_bytes(plan))
     cost = checkpoint_cost(plan, est.time.step_time_s, args.storage_gbps)
-    return TimeSection(est, planner, args.tokens, cost, args.storage_gbps)
+    return TimeSection(est, planner, run_length(plan.cfg, args.tokens), cost, args.storage_gbps)
 
 
 def run_search(args, overrides: list[str], world: int) -> int:
@@ -124,13 +125,14 @@ def run_search(args, overrides: list[str], world: int) -> int:
     planner = planner_for(args, base, world)
     overrides = list(overrides) + [f"train.precision={base.train.precision}"]
     found = search(args.config, overrides, planner, args.gpus_per_node)
+    run = run_length(base, args.tokens)
     if args.json:
-        print(json.dumps([e.as_dict(args.tokens) for e in found[:args.top]]))
+        print(json.dumps([e.as_dict(run) for e in found[:args.top]]))
         return 0 if found else 1
     lines = [f"layouts of {args.config} on {world} x {planner.gpu.name} ({args.nodes} nodes of {args.gpus_per_node})"
              f" that fit, fastest first: {len(found)} found"
              + (f", the {min(args.top, len(found))} fastest shown" if len(found) > args.top else ""),
-             *assumptions(planner.device, planner.cluster, planner.comm), *ranking_lines(found, args.tokens,
+             *assumptions(planner.device, planner.cluster, planner.comm), *ranking_lines(found, run,
                                                                                          args.top)]
     print("\n".join(lines))
     return 0 if found else 1

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from megaloop.plan.comm import Cluster, DpComm
+from megaloop.plan.run_length import RunLength
 from megaloop.plan.search import Estimate
 from megaloop.plan.time_model import Device
 
@@ -21,7 +22,7 @@ def assumptions(device: Device, cluster: Cluster, comm: DpComm) -> list[str]:
     ]
 
 
-def time_lines(est: Estimate, tokens: float | None, device: Device, cluster: Cluster, comm: DpComm) -> list[str]:
+def time_lines(est: Estimate, run: RunLength, device: Device, cluster: Cluster, comm: DpComm) -> list[str]:
     t = est.time
     ms = 1e3
     lines = ["", "time plan, one optimizer step on the busiest rank:", *assumptions(device, cluster, comm),
@@ -34,20 +35,22 @@ def time_lines(est: Estimate, tokens: float | None, device: Device, cluster: Clu
              f"forward; {t.dp.calls} calls, parallel.grad_buckets={est.plan.cfg.parallel.grad_buckets}) "
              f"-> {t.exposed_comm_fraction:.1%} of the step",
              f"  step {t.step_time_s:.3f} s, {t.tokens_per_step} tokens: {t.tokens_per_s:,.0f} tokens/s, "
-             f"{t.tokens_per_day / 1e9:.2f}B tokens/day"
-             + (f", {t.days(tokens):.1f} days for {tokens:.3g} tokens" if tokens else ""),
+             f"{t.tokens_per_day / 1e9:.2f}B tokens/day",
+             run.line(t.step_time_s, est.plan.layout.world, device.name),
              f"  peak {est.peak_bytes / 2**30:.2f} GiB per GPU ({'fits' if est.fits else 'does NOT fit'})"]
     return lines
 
 
-def ranking_lines(found: list[Estimate], tokens: float | None, top: int) -> list[str]:
+def ranking_lines(found: list[Estimate], run: RunLength, top: int) -> list[str]:
+    """The fastest layouts, with the days and GPU-hours of the whole run (`run`) on each."""
     head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>4} {'mb':>4} {'ckpt':>5} {'wire':>5} {'step s':>8} "
-            f"{'tokens/s':>11} {'days':>7} {'exposed':>8} {'peak GiB':>9}")
-    lines = [head]
+            f"{'tokens/s':>11} {'days':>7} {'GPU-h':>9} {'exposed':>8} {'peak GiB':>9}")
+    lines = [f"  the run: {run.steps:,} steps of {run.tokens_per_step:,} tokens ({run.source})", head]
     for n, e in enumerate(found[:top], 1):
         lay, t = e.layout(), e.time
-        days = f"{t.days(tokens):7.1f}" if tokens else f"{'-':>7}"
         lines.append(f"{n:3d} {lay['tp']:3d} {lay['pp']:3d} {lay['dp']:4d} {lay['micro_batch']:4d} "
                      f"{lay['activation_checkpointing']:>5} {lay['grad_reduce_dtype']:>5} {t.step_time_s:8.3f} "
-                     f"{t.tokens_per_s:11,.0f} {days} {t.exposed_comm_fraction:8.1%} {e.peak_bytes / 2**30:9.2f}")
+                     f"{t.tokens_per_s:11,.0f} {run.days(t.step_time_s):7.2f} "
+                     f"{run.gpu_hours(t.step_time_s, e.plan.layout.world):9,.0f} {t.exposed_comm_fraction:8.1%} "
+                     f"{e.peak_bytes / 2**30:9.2f}")
     return lines

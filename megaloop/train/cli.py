@@ -5,6 +5,7 @@ import math
 import sys
 
 from megaloop.config import Config
+from megaloop.config.budget import tokens_per_step
 
 NO_VALIDATION_HINT = ("the shards have no val split (e.g. made with --val-fraction 0); re-create the shards with "
                       "--val-fraction > 0 to measure it")
@@ -108,8 +109,9 @@ def format_summary(cfg: Config, s) -> str:
            if s.start_step else "")  # the run's figures count the resumed steps; tokens/s is this job's
     lines = [
         "",
-        f"megaloop run: {cfg.train.out_dir}  ({s.steps_done} steps{', interrupted' if s.interrupted else ''}, "
-        f"{s.n_params / 1e6:.2f}M params, {s.tokens:,} tokens, {s.skipped} skipped steps{job})",
+        f"megaloop run: {cfg.train.out_dir}  ({s.steps_done} of {cfg.train.steps:,} steps"
+        f"{', interrupted' if s.interrupted else ''}, {s.n_params / 1e6:.2f}M params, {s.tokens:,} of "
+        f"{cfg.train.steps * tokens_per_step(cfg):,} tokens, {s.skipped} skipped steps{job})",
         f"{'T':>4} {'val loss':>9} {'val bpb':>8}{_validation_set(s.val)}",
     ]
     if s.val and not any(v["tokens"] for v in s.val.values()):

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from megaloop.config import Config
+from megaloop.config.budget import budget_line, run_record, tokens_per_step
 from megaloop.depth import make_sampler
 from megaloop.model import build_model, count_parameters
 from megaloop.optim import build_optimizer
@@ -74,6 +75,7 @@ class RunSummary:
     rollbacks: list = field(default_factory=list)  # train.on_spike=rollback's "rollback" records in this job
     spike_stop: bool = False  # stopped for a loss spike: nothing saved after it, not to be requeued
     restarts: list = field(default_factory=list)  # the run's "restart" records so far (megaloop.train.restarts)
+    run: dict = field(default_factory=dict)  # the run's length: steps, tokens per step, train.tokens as given
 
     @property
     def tokens_per_s(self) -> float:
@@ -235,7 +237,7 @@ def _run(cfg, runtime: TrainerRuntime, model, optimizer, data: DataSource, ckpt,
     # counted on the meta device from the config: under tensor parallelism `model` holds only this rank's shard
     summary = RunSummary(n_params=count_parameters(build_model(cfg.model, device="meta")), is_main=runtime.is_main,
                          start_step=start, steps_done=start, resumed_from=ckpt.resumed_from,
-                         tokens=ckpt.tokens_before)
+                         tokens=ckpt.tokens_before, run=run_record(cfg))
     guard = PeakGuard(device, cfg.train.precision, runtime.world_size, _cpu_core_share(device, runtime.is_main))
     _note_peak(summary, guard)
     summary.precision, summary.precision_why = choice.precision, choice.why
@@ -251,7 +253,8 @@ def _run(cfg, runtime: TrainerRuntime, model, optimizer, data: DataSource, ckpt,
     if runtime.is_main:  # an attempt after failures: what each cost (cause, rank, node, steps and time lost)
         summary.restarts = record_restarts(out_dir, start, writer.write)
     val_depths = cfg.train.val_depths or default_val_depths(cfg.model.mu_rec, cfg.model.is_looped)
-    progress = Progress(cfg.train.steps, enabled=runtime.is_main and cfg.train.progress, initial=start)
+    progress = Progress(cfg.train.steps, enabled=runtime.is_main and cfg.train.progress, initial=start,
+                        tokens_per_step=tokens_per_step(cfg))
     heartbeat = Heartbeat(out_dir, runtime.rank, cfg.train.heartbeat_every)
     try:
         ckpt.record = writer.write  # a failed save leaves a metrics record
@@ -313,6 +316,7 @@ def _print_header(cfg: Config, runtime: TrainerRuntime, summary: RunSummary, cho
           f"pp={layout.get('pp', 1)} dp={layout['dp']}, {choice.header()}; attention {summary.attention}; peak "
           f"{summary.peak_tflops:.4f} TFLOP/s ({summary.peak_source})", file=sys.stderr, flush=True)
     groups = layout.get("process_groups")
+    print(f"megaloop: run: {budget_line(cfg)}", file=sys.stderr, flush=True)
     if groups and groups["groups"]:
         from pipeline.groups import describe_groups
 

@@ -20,8 +20,12 @@ def _make_active(progress) -> None:
 
 
 class Progress:
-    def __init__(self, total: int, enabled: bool = True, initial: int = 0):
+    """The training bar over optimizer steps; its postfix also counts tokens (done / the run's), so a run given in
+    train.tokens reads in both units."""
+
+    def __init__(self, total: int, enabled: bool = True, initial: int = 0, tokens_per_step: int = 0):
         self.bar = None
+        self.tokens_per_step = tokens_per_step
         _make_active(self)
         if enabled:
             from tqdm import tqdm
@@ -35,9 +39,18 @@ class Progress:
         mfu = record["mfu"]
         self.bar.set_postfix_str(
             f"loss {record['loss']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
-            f"MFU {'n/a' if not math.isfinite(mfu) else f'{100 * mfu:.1f}%'} | T~{record['mean_depth']:.1f}",
-            refresh=False)
+            f"MFU {'n/a' if not math.isfinite(mfu) else f'{100 * mfu:.1f}%'} | T~{record['mean_depth']:.1f}"
+            + self._tokens(self.bar.n + 1), refresh=False)
         self.bar.update(1)
+
+    def _tokens(self, steps: int) -> str:
+        """' | 1.05M/104B tok': the tokens of `steps` steps and of the whole run ('' without tokens_per_step)."""
+        if not self.tokens_per_step:
+            return ""
+        from megaloop.config.budget import human_tokens
+
+        return (f" | {human_tokens(steps * self.tokens_per_step)}/"
+                f"{human_tokens(self.bar.total * self.tokens_per_step)} tok")
 
     def note(self, text: str) -> None:
         """A `[val] step N: ...` line above the bar (N: optimizer steps done); a NaN loss (no tokens) shows n/a."""

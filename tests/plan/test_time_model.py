@@ -3,6 +3,7 @@ model in seconds, the JSON keys, --search keeping to memory, and the CLI's error
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -200,8 +201,25 @@ def test_plan_json_has_the_time_keys(capsys):
     assert set(JSON_KEYS) <= set(out)
     assert out["layout"]["tp"] == 2 and out["layout"]["gpus"] == 2 and out["layout"]["micro_batch"] == 8
     assert out["time"]["tp_exposed_s"] > 0
-    assert out["days"] == pytest.approx(1e9 / out["tokens_per_s"] / 86400)
+    steps = math.ceil(1e9 / (16 * 128))  # --tokens in whole steps of global batch x seq_len
+    assert out["run"]["steps"] == steps and out["run"]["source"] == "--tokens 1e+09"
+    assert out["days"] == pytest.approx(steps * out["step_time_s"] / 86400, rel=1e-12)
+    assert out["gpu_hours"] == pytest.approx(steps * out["step_time_s"] * 2 / 3600, rel=1e-12)
     assert 0 < out["exposed_comm_fraction"] < 1 and out["peak_gib"] > 0
+
+
+def test_plan_prices_the_configs_whole_run(capsys):
+    """Without --tokens the plan prices the config's run: parcae-1_3b's 104B tokens = 198,365 steps on 128 GPUs."""
+    argv = ["plan", str(TINY.parent / "parcae-1_3b.yaml"), "--nodes", "16", "--gpus-per-node", "8"]
+    assert main(argv + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["run"] == {"tokens": 198_365 * 524_288, "steps": 198_365, "source": "train.tokens=104B",
+                          "days": pytest.approx(198_365 * out["step_time_s"] / 86400, rel=1e-12),
+                          "gpu_hours": pytest.approx(198_365 * out["step_time_s"] * 128 / 3600, rel=1e-12)}
+    assert main(argv) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "the run:" in x)
+    assert line == (f"  the run: 104B tokens = 198,365 steps (train.tokens=104B): {out['days']:.2f} days on 128 x "
+                    f"H100 = {out['gpu_hours']:,.0f} GPU-hours")
 
 
 def test_search_ranks_only_layouts_that_fit():
