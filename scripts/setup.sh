@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up megaloop on a fresh machine: a virtual environment in .venv with the pinned requirements and DeepSpeed
+# Set up megaloop on a fresh machine: a virtual environment in .venv with the pinned requirements, wandb and DeepSpeed
 # (whose CPU comm op is compiled once into .venv/torch_extensions), Open MPI (for MPI-parallel data preparation) and
 # g++ (for that op) when missing and apt is available. Idempotent; safe to re-run.
 set -euo pipefail
@@ -28,10 +28,11 @@ if [ "${SETUP_FORCE:-0}" != 1 ] && [ -f "$STAMP" ] && [ "$(sed -n 1p "$STAMP")" 
   exit 0
 fi
 rm -f "$STAMP"
-echo "[setup] installing pinned Python packages (with DeepSpeed)"
-# one resolution for everything, so that DeepSpeed's torch>=2.0 is met by torch's own pin; no compiled ops at install
+echo "[setup] installing pinned Python packages (with DeepSpeed and wandb)"
+# one resolution for everything, so that DeepSpeed's torch>=2.0 is met by torch's own pin; no compiled ops at install.
+# wandb (train.wandb) in the same resolution: requirements-wandb.txt holds requirements.txt, so torch stays pinned
 DS_BUILD_OPS=0 .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt \
-  -r requirements-deepspeed.txt
+  -r requirements-deepspeed.txt -r requirements-wandb.txt
 echo "[setup] installing the lm-eval harness (requirements-eval.txt, runtime pins as constraints)"
 .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-eval.txt -c requirements.txt
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . >/dev/null

@@ -162,6 +162,8 @@ class TrainConfig:
     fp8_backend: str = "torchao"  # torchao (torchao's recipes on torch._scaled_mm, CPU and GPU) | te (GPU only)
     fp8_prelude_coda: bool = False  # also the prelude's and coda's linear layers (head, embeddings, injection: never)
     fp8_scale_rounding: str = "auto"  # auto (torchao's recipes: rowwise pow2, tensorwise none) | pow2 | none
+    wandb: str = ""  # a Weights & Biases project ("project" or "entity/project"; "": off): rank 0 logs the
+    #                  metrics.jsonl records to one W&B run per out_dir (megaloop/train/wandb_log.py)
 
     def compiles(self, device_type: str) -> bool:
         """Whether the blocks are compiled on a device of this type (train.compile auto: on CUDA only)."""
@@ -207,6 +209,7 @@ class TrainConfig:
                               "spike_k must be > 0 and spike_window >= 2")
         if self.val_depths is not None and (not self.val_depths or min(self.val_depths) < 1):
             raise ConfigError("train.val_depths", self.val_depths, "a non-empty list of depths >= 1, or null")
+        check_wandb("train.wandb", self.wandb)
 
 
 @dataclass
@@ -246,6 +249,22 @@ def check_local(field_name: str, value) -> None:
     problem = value is not None and local_path_error(str(value))
     if problem:
         raise ConfigError(field_name, value, problem)
+
+
+def check_wandb(field_name: str, target: str) -> None:
+    """train.wandb: empty (off), or "project" / "entity/project" with the wandb package installed (looked up, not
+    imported: megaloop imports wandb only when it logs)."""
+    if not target:
+        return
+    parts = target.split("/")
+    if len(parts) > 2 or not all(parts) or any(c in target for c in "\\#?%:"):
+        raise ConfigError(field_name, target, 'a W&B project, "project" or "entity/project" (none of \\ # ? % :); '
+                          '"" turns W&B logging off')
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:
+        raise ConfigError(field_name, target, "the wandb package is not installed: pip install -r "
+                          'requirements-wandb.txt (or train.wandb="" to train without W&B)')
 
 
 def default_factory(cls):

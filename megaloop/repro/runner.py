@@ -52,6 +52,10 @@ def overrides(point: Point, scale: Scale, shards: Path) -> list[str]:
     return sets if point.kind != "train" else sets + [f"train.out_dir={run_dir(scale, point)}"]
 
 
+# config keys added after runs were first hashed, with the default that leaves a run as it was before them
+LATER_KEYS = (("train", "tokens", None), ("data", "packing", None), ("model", "doc_mask", False))
+
+
 def config_hash(point: Point, scale: Scale, shards: Path) -> str:
     """sha256 (16 hex digits) of the point's resolved config, without the paths (run directory, shards) that differ
     between work folders, plus what the runner does with it (kind, evaluation depths and rows, bench steps)."""
@@ -62,6 +66,10 @@ def config_hash(point: Point, scale: Scale, shards: Path) -> str:
     tree["train"].pop("out_dir", None)
     tree["train"].pop("progress", None)
     tree["data"].pop("shards", None)
+    tree["train"].pop("wandb", None)  # where the records are mirrored, not what is trained
+    for section, key, default in LATER_KEYS:  # at their defaults they change nothing: finished runs keep their hashes
+        if tree[section].get(key, default) == default:
+            tree[section].pop(key, None)
     tree["repro"] = {"kind": point.kind, "eval_depths": list(point.eval_depths), "eval_rows": point.eval_rows,
                      "bench_steps": point.bench_steps, "nproc": point.nproc}
     if point.eval_tasks != "val":  # only where it differs, so that the corpus points keep their hashes

@@ -212,7 +212,8 @@ def run_bench(args) -> int:
     end = args.warmup + args.steps
     total = end + (1 if device == "cuda" else 0)  # a GPU's phase times of step s are read at step s + 1
     sets = list(args.overrides) + [f"train.steps={total}", f"train.out_dir={out}", "data.val_batches=0",
-                                   f"train.val_every={total}", "train.log_every=1", "checkpoint.every=0"]
+                                   f"train.val_every={total}", "train.log_every=1", "checkpoint.every=0",
+                                   "train.wandb=''"]  # a measurement, not a run to log to W&B
     cfg = load_config(args.config, sets, world_size=world)
     if (out / "metrics.jsonl").exists():
         raise ConfigError("--out-dir", str(out), "already holds a run; give a new directory")

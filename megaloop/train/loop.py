@@ -37,6 +37,7 @@ from megaloop.train.cadence import Cadence
 from megaloop.train.spikes import SkipWindows, SpikeMonitor, stop_message
 from megaloop.train.step import StepTimer, reduce_step, schedule_ahead, train_step
 from megaloop.train.stopping import SAVE_DUE_CODE, StartupStop, StopRequests, deadline_from
+from megaloop.train.wandb_log import open_wandb
 
 
 @dataclass
@@ -246,7 +247,8 @@ def _run(cfg, runtime: TrainerRuntime, model, optimizer, data: DataSource, ckpt,
         _print_header(cfg, runtime, summary, choice)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-    writer = MetricsWriter(out_dir, enabled=runtime.is_main)
+    writer = MetricsWriter(out_dir, enabled=runtime.is_main,  # train.wandb: rank 0 mirrors the records to W&B
+                           wandb=open_wandb(cfg, out_dir) if runtime.is_main else None)
     ckpt.mark(None)
     if start:
         writer.write({"kind": "resume", "step": start, "from": ckpt.resumed_from or "", **ckpt.resume_io.as_record()})

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 NUMBER = (int, float)
@@ -65,13 +66,15 @@ def validate_record(record: dict) -> None:
 
 
 class MetricsWriter:
-    """Appends records to <out_dir>/metrics.jsonl and mirrors numbers to TensorBoard (<out_dir>/tb)."""
+    """Appends records to <out_dir>/metrics.jsonl and mirrors numbers to TensorBoard (<out_dir>/tb) and, given an
+    open W&B run (train.wandb; megaloop.train.wandb_log.WandbLog), every record to it."""
 
-    def __init__(self, out_dir: Path, enabled: bool = True, tensorboard: bool = True):
+    def __init__(self, out_dir: Path, enabled: bool = True, tensorboard: bool = True, wandb=None):
         self.enabled = enabled
         self.path = Path(out_dir) / "metrics.jsonl"
         self._file = None
         self._tb = None
+        self._wandb = wandb if enabled else None
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -88,6 +91,8 @@ class MetricsWriter:
         self._file.write(json.dumps(record) + "\n")
         if self._tb is not None:
             self._mirror(record)
+        if self._wandb is not None:
+            self._wandb.log(record)
 
     def _mirror(self, record: dict) -> None:
         step = record["step"]
@@ -115,6 +120,9 @@ class MetricsWriter:
             self._tb.flush()
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:  # called from a `finally`: an error on its way out marks the W&B run failed
+            self._wandb.finish(failed=sys.exc_info()[1] is not None)
+            self._wandb = None
 
 
 def read_metrics(path: Path) -> list[dict]:
