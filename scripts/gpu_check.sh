@@ -53,6 +53,11 @@ limit() {  # seconds (empty: no limit), then the command
   timeout "${seconds:-0}" "$@"
 }
 limit "${LIMIT_TESTS:-}" "$PY" -m pytest -q -s -rs -p no:cacheprovider -m gpu tests/gpu "$@" || status=$?
+# document masking (model.doc_mask): flash-attn 2/3's varlen function and TE's "thd" / padding_causal attention
+# against sdpa's block-causal mask and each document alone, bf16, mixed depths (seconds; LIMIT_DOC_MASK bounds it)
+echo "== document masking: varlen kernels vs sdpa's mask (tests/model/test_doc_mask_gpu.py)"
+limit "${LIMIT_DOC_MASK:-}" "$PY" -m pytest -q -s -rs -p no:cacheprovider -m gpu tests/model/test_doc_mask_gpu.py \
+  || status=$?
 fp8_runs=(none tensorwise rowwise)
 if "$PY" -c "import transformer_engine.pytorch" >/dev/null 2>&1; then
   fp8_runs+=(te)

@@ -42,7 +42,9 @@ FIELDS = {"vocab_size": "vocab_size", "d_model": "hidden_size", "n_heads": "num_
           "prelude_norm": "prelude_norm", "use_C": "use_C", "value_embeds": "value_embeds",
           "ve_gate_channels": "ve_gate_channels", "seq_len": "max_position_embeddings", "rope_base": "rope_theta",
           "norm_eps": "rms_norm_eps", "init_std": "init_std", "mu_rec": "mu_rec"}
-TRAINING_FIELDS = ("arch", "mu_bwd", "depth_sampler", "attention")
+# kept in config.json's "megaloop" entry and restored by import-hf (doc_mask: the HF model computes one document
+# per row as megaloop does; packed rows of several documents it attends across)
+TRAINING_FIELDS = ("arch", "mu_bwd", "depth_sampler", "attention", "doc_mask", "bos_id", "doc_attention_share")
 
 
 def hf_config(model: dict, dtype: torch.dtype, special_ids: dict, step: int | None = None) -> dict:

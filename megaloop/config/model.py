@@ -52,6 +52,13 @@ class ModelConfig:
     mu_rec: int = 8
     mu_bwd: int | None = None  # None: ceil(mu_rec / 2)
     depth_sampler: str = "poisson-truncated-full"
+    # document-aware attention (megaloop/model/documents.py): a token attends only within its document (a new one
+    # at each BOS), RoPE positions restart at each document
+    doc_mask: bool = False
+    bos_id: int | None = None  # None: the shards' manifest tokenizer.bos_id, filled when the config is validated
+    # share of a full row's attention FLOPs that document masking keeps, mean over rows of sum len_d^2 / S^2 (the
+    # FLOP model's; None: measured from the local shards when the config is validated, else full rows)
+    doc_attention_share: float | None = None
 
     # ---- derived sizes -------------------------------------------------------------------------------------
     @property
@@ -100,6 +107,36 @@ class ModelConfig:
         self._validate_recurrence()
         if self.norm_eps <= 0 or self.rope_base <= 0:
             raise ConfigError("model.norm_eps/rope_base", (self.norm_eps, self.rope_base), "must both be > 0")
+        self._validate_documents()
+
+    def _validate_documents(self) -> None:
+        """doc_mask a bool, bos_id an id of the vocabulary, doc_attention_share in (0, 1] (where given)."""
+        if not isinstance(self.doc_mask, bool):
+            raise ConfigError("model.doc_mask", self.doc_mask, "must be true or false")
+        if self.bos_id is not None and (isinstance(self.bos_id, bool) or not isinstance(self.bos_id, int)
+                                        or not 0 <= self.bos_id < self.vocab_size):
+            raise ConfigError("model.bos_id", self.bos_id, f"must be a token id in [0, model.vocab_size="
+                              f"{self.vocab_size}) or null (taken from the shards' manifest)")
+        share = self.doc_attention_share
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float))
+                                  or not 0 < share <= 1):
+            raise ConfigError("model.doc_attention_share", share, "must be in (0, 1] (the mean over rows of sum "
+                              "len_d^2 / seq_len^2) or null (measured from the shards)")
+
+    def require_bos(self) -> None:
+        """doc_mask needs the BOS id: given, or filled from the shards' manifest when the config is validated."""
+        if self.doc_mask and self.bos_id is None:
+            raise ConfigError("model.bos_id", None, "model.doc_mask=true needs the BOS token id to find the "
+                              "documents: set model.bos_id, or train on local shards whose manifest records "
+                              "tokenizer.bos_id (it is filled from there)")
+
+    @property
+    def attention_share(self) -> float:
+        """The share of full rows' attention the FLOP model counts: doc_attention_share under doc_mask (1.0 when
+        not known), 1.0 without."""
+        if not self.doc_mask or self.doc_attention_share is None:
+            return 1.0
+        return float(self.doc_attention_share)
 
     def _validate_heads(self) -> None:
         if self.d_model % self.n_heads:

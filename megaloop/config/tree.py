@@ -157,6 +157,7 @@ class Config:
 
     def _validate_one_data_dir(self, shards) -> None:
         if str(shards).startswith(REMOTE_SHARDS):  # its manifest is checked when read (megaloop/train/data.py)
+            self._check_remote_documents(shards)
             return
         original, shards = shards, Path(shards)
         manifest = shards / "manifest.json"
@@ -188,6 +189,57 @@ class Config:
         if seq_len is not None and seq_len != self.model.seq_len:
             raise ConfigError("model.seq_len", self.model.seq_len,
                               f"the shards in {shards} hold rows of seq_len={seq_len}; set model.seq_len={seq_len}")
+        self._check_documents(original, manifest, info)
+        check_packing(self.data.packing, info, f"the shards in {original}")
+
+    def _check_documents(self, original, manifest: Path, info: dict) -> None:
+        """model.doc_mask: the shards' tokenizer has a BOS and their documents were framed with it (see
+        megaloop.config.documents); model.bos_id is filled from the manifest (or must agree with it); once the last
+        corpus is checked, doc_attention_share (if null) is measured from the train rows of every corpus."""
+        from megaloop.config.documents import frames_documents_with_bos, manifest_bos_id
+
+        m = self.model
+        if not m.doc_mask:
+            return
+        bos = manifest_bos_id(info)
+        if bos is None:
+            raise ConfigError("model.doc_mask", True, f"the shards in {original} were made with a tokenizer without "
+                              f"a BOS token ({manifest} has no tokenizer.bos_id), so documents cannot be found; set "
+                              "model.doc_mask=false or re-create the shards with a tokenizer that has <|bos|>")
+        if not frames_documents_with_bos(info):
+            raise ConfigError("model.doc_mask", True, f"{manifest} records that documents were not framed with BOS "
+                              "(packing.bos_framed false), so documents cannot be found; set model.doc_mask=false or "
+                              "re-create the shards with `python -m data_prep shards`")
+        if m.bos_id is None:
+            m.bos_id = bos
+        elif m.bos_id != bos:
+            raise ConfigError("model.bos_id", m.bos_id, f"the shards in {original} mark documents with BOS id {bos}; "
+                              f"set model.bos_id={bos} (or null to take it from the manifest)")
+        corpora = self.data.shards if isinstance(self.data.shards, list) else [self.data.shards]
+        if m.doc_attention_share is None and original is corpora[-1]:
+            self._measure_attention_share(corpora)
+
+    def _measure_attention_share(self, corpora: list) -> None:
+        """model.doc_attention_share from the train rows of the (local) corpora, weighted by data.mix."""
+        from data_prep.errors import DataPrepError
+        from megaloop.config.documents import measured_attention_share
+
+        try:
+            share = measured_attention_share(corpora, self.data.mix, self.model.seq_len, self.model.bos_id)
+        except (DataPrepError, OSError, ValueError) as err:
+            raise ConfigError("model.doc_attention_share", None, f"cannot be measured from {corpora} ({err}); set "
+                              "it (the mean over rows of sum len_d^2 / seq_len^2 of the document lengths)") from None
+        self.model.doc_attention_share = share
+
+    def _check_remote_documents(self, shards) -> None:
+        """model.doc_mask with streamed shards: their manifest is read only when training starts, after the model
+        is built, so the BOS id and the attention share must be given."""
+        m = self.model
+        missing = [name for name in ("bos_id", "doc_attention_share") if m.doc_mask and getattr(m, name) is None]
+        if missing:
+            raise ConfigError(f"model.{missing[0]}", None, f"model.doc_mask=true with streamed shards ({shards}) "
+                              f"needs {' and '.join('model.' + k for k in missing)} set in the config (the BOS id of "
+                              "their manifest's tokenizer; the mean over rows of sum len_d^2 / seq_len^2)")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -198,6 +250,19 @@ class Config:
 
 
 REMOTE_SHARDS = ("s3://", "http://", "https://")
+
+
+def check_packing(wanted: str | None, info: dict, where: str) -> None:
+    """data.packing (where set): the shards' manifest records that packing (a manifest without a record: stream, as
+    data_prep packed before it recorded packing). Also called with a streamed corpus's manifest when it is read."""
+    if wanted is None:
+        return
+    record = info.get("packing")
+    mode = record.get("mode") if isinstance(record, dict) else "stream"
+    if mode != wanted:
+        raise ConfigError("data.packing", wanted, f"{where} were packed with {mode}; re-create them with "
+                          f"`python -m data_prep shards --packing {wanted}`, or set data.packing=null to train on "
+                          "them as they are")
 
 
 def _manifest_vocab_size(info: dict) -> int | None:

@@ -8,6 +8,13 @@ k/v [B, S, Hkv, D], causal, scale 1/sqrt(D). The flash kernels and TE take that 
 are (query head h reads kv head h // (H / Hkv), as repeat_interleave gives SDPA); with S_q = S_k their causal mask
 (bottom-right aligned) is SDPA's (top-left aligned).
 
+Document masking (model.doc_mask): the blocks then get a megaloop.model.documents.Documents in place of the RoPE
+tables, and each token attends only within its own document. sdpa and math take its block-causal boolean mask;
+flash2/flash3 run flash-attn's varlen function over the flattened rows (q/k/v [B * S, H, D], cu_seqlens over the
+documents, causal within each); te runs DotProductAttention with qkv_format "thd" and attn_mask_type
+"padding_causal" (cu_seqlens given for queries and keys, the longest document as a host integer so that TE does not
+derive it on the device). Without document masking every call is the plain causal one, as before.
+
 The kernel is resolved once, when the model is built for its device (:func:`resolve_attention_backend`, called by
 the trainer, which prints it in the run header): "auto" becomes flash3, flash2 (whichever is installed, in that
 order) or sdpa on a CUDA device, sdpa on the CPU. A flash-attn or Transformer Engine that is installed but cannot be
@@ -27,11 +34,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megaloop.model.documents import Documents
 from megaloop.model.layers import apply_rope_interleaved, rms_norm_weightless, upcast
 
 # backend -> (module, function name, label)
 _FLASH_MODULES = {"flash3": ("flash_attn_interface", "flash_attn_func", "flash-attn 3 (flash_attn_interface)"),
                   "flash2": ("flash_attn", "flash_attn_func", "flash-attn 2 (flash_attn)")}
+_VARLEN = "flash_attn_varlen_func"  # the same name in flash_attn and flash_attn_interface
 _PIP = {"flash_attn_interface": "flash-attn-3", "flash_attn": "flash-attn",
         "transformer_engine.pytorch": "transformer-engine"}
 GPU_BACKENDS = ("flash2", "flash3", "te")
@@ -69,6 +78,13 @@ def flash_function(backend: str):
     broken package raises AttentionBackendError. Looked up once per process."""
     module, func, label = _FLASH_MODULES[backend]
     return _import(module, label, func)
+
+
+@functools.lru_cache(maxsize=None)
+def flash_varlen_function(backend: str):
+    """flash-attn's varlen function (packed documents, cu_seqlens) for "flash2" or "flash3", or None."""
+    module, _, label = _FLASH_MODULES[backend]
+    return _import(module, label, _VARLEN)
 
 
 def flash_attn_function():
@@ -172,24 +188,63 @@ def te_call(dpa, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
     return dpa(q.contiguous(), k.contiguous(), v.contiguous()).view(b, s, h, d)
 
 
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """[B, S, H, D] -> [B * S, H, D] (the packed "thd" layout of the varlen kernels)."""
+    return x.reshape(-1, *x.shape[2:]).contiguous()
+
+
+def flash_varlen_call(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, rows) -> torch.Tensor:
+    """flash-attn's varlen function over the documents of the flattened rows (`rows`: a VarlenRows), causal within
+    each document; FA3 returns (out, lse) in some versions."""
+    m = rows.max_len
+    out = fn(_flat(q), _flat(k), _flat(v), rows.cu_seqlens, rows.cu_seqlens, m, m, softmax_scale=scale, causal=True)
+    return (out[0] if isinstance(out, tuple) else out).view(q.shape)
+
+
+@functools.lru_cache(maxsize=None)
+def _te_varlen_attention(heads: int, kv_heads: int, head_dim: int, scale: float):
+    """One TE DotProductAttention per shape for packed documents (qkv_format "thd", "padding_causal")."""
+    return te_module().DotProductAttention(heads, head_dim, num_gqa_groups=kv_heads, qkv_format="thd",
+                                           attn_mask_type="padding_causal", softmax_scale=scale)
+
+
+def te_varlen_call(dpa, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows) -> torch.Tensor:
+    """TE's DotProductAttention on the flattened rows, one sequence per document (cu_seqlens int32 on the device,
+    max_seqlen a host integer: no device read); it returns [B * S, H * D]."""
+    m = rows.max_len
+    out = dpa(_flat(q), _flat(k), _flat(v), qkv_format="thd", attn_mask_type="padding_causal",
+              cu_seqlens_q=rows.cu_seqlens, cu_seqlens_kv=rows.cu_seqlens, max_seqlen_q=m, max_seqlen_kv=m)
+    return out.view(q.shape)
+
+
+def _gpu_call(backend: str, q, k, v, scale: float, documents) -> torch.Tensor:
+    """A flash or TE kernel on inputs it takes: the plain causal call, or the varlen one over `documents`."""
+    h, hkv, d = q.shape[2], k.shape[2], q.shape[3]
+    if backend in _FLASH_MODULES:
+        if documents is None:
+            return flash_call(flash_function(backend), q, k, v, scale)
+        return flash_varlen_call(flash_varlen_function(backend), q, k, v, scale, documents.varlen_rows())
+    if documents is None:
+        return te_call(_te_attention(h, hkv, d, scale), q, k, v)
+    return te_varlen_call(_te_varlen_attention(h, hkv, d, scale), q, k, v, documents.varlen_rows())
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "auto",
-                     strict: bool = False) -> torch.Tensor:
+                     strict: bool = False, documents=None) -> torch.Tensor:
     """q [B, S, H, D], k/v [B, S, Hkv, D] -> [B, S, H, D], causal, scale 1/sqrt(D), with a resolved backend (see
     resolve_attention_backend). The flash kernels and TE take half-precision CUDA inputs of one dtype. A call they
     cannot take (an fp32 evaluation of the same model) runs SDPA when auto chose them, noted once per reason and
     counted; when model.attention named them (strict), it is an AttentionBackendError naming the reason. Every
-    eager call counts the kernel that ran (KERNEL_CALLS)."""
+    eager call counts the kernel that ran (KERNEL_CALLS). documents: a Documents of these rows (model.doc_mask):
+    attention within each document only (see the module docstring); None: the whole row."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     if backend == "auto":  # a model built outside the trainer: resolved here (the lookups are cached)
         backend = resolve_attention_backend("auto", q.device)
     if backend in GPU_BACKENDS:
         reason = _cannot_take(backend, q, k, v)
-        if reason is None and backend in _FLASH_MODULES:
-            _ran(backend)
-            return flash_call(flash_function(backend), q, k, v, scale)
         if reason is None:
             _ran(backend)
-            return te_call(_te_attention(q.shape[2], k.shape[2], q.shape[3], scale), q, k, v)
+            return _gpu_call(backend, q, k, v, scale, documents)
         if strict:
             raise AttentionBackendError(f"model.attention={backend} cannot run this call: {reason}; train in bf16 "
                                         "(train.precision=bf16) or set model.attention=auto (sdpa for such calls)")
@@ -200,12 +255,15 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend:
         rep = q.shape[2] // k.shape[2]
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    allowed = None if documents is None else documents.dense_mask()  # [B, 1, S, S], True: may attend
     if backend == "math":
         s = q.shape[2]
         scores = (upcast(q) @ upcast(k).transpose(-1, -2)) * scale
-        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-        out = scores.masked_fill(mask, float("-inf")).softmax(-1) @ upcast(v)
+        hidden = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1) if allowed is None else ~allowed
+        out = scores.masked_fill(hidden, float("-inf")).softmax(-1) @ upcast(v)
         return out.to(q.dtype).transpose(1, 2)
+    if allowed is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale).transpose(1, 2)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(1, 2)
 
 
@@ -223,8 +281,9 @@ class Attention(nn.Module):
         self.ve_gate_channels = ve_gate_channels
         self.ve_gate = nn.Linear(ve_gate_channels, n_kv_heads, bias=False) if has_ve else None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                ve: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, ve: torch.Tensor | None = None) -> torch.Tensor:
+        """rope: the RoPE tables (cos, sin) of positions 0 .. S-1, or a Documents of these rows (model.doc_mask:
+        per-token positions restarting at each document, attention within each document)."""
         b, s, _ = x.shape
         # Head counts come from the weights so that a tensor-parallel plan can shard them without touching this code.
         q = self.q(x).view(b, s, -1, self.head_dim)
@@ -234,11 +293,15 @@ class Attention(nn.Module):
         if self.ve_gate is not None and ve is not None:
             gate = 2.0 * torch.sigmoid(self.ve_gate(x[..., : self.ve_gate_channels]))
             v = v + gate.unsqueeze(-1) * ve.view(b, s, -1, self.head_dim)
-        cos, sin = rope
+        documents = rope if isinstance(rope, Documents) else None
+        cos, sin = rope if documents is None else documents.rope
         q = rms_norm_weightless(apply_rope_interleaved(q, cos, sin))
         k = rms_norm_weightless(apply_rope_interleaved(k, cos, sin))
         # RoPE's fp32 tables, CUDA autocast's fp32 rms_norm and the fp32 value embeddings promote q/k/v; the kernel
         # takes them in the compute dtype (what autocast gives SDPA anyway), so flash-attn and TE can run
         q, k, v = q.to(compute), k.to(compute), v.to(compute)
-        y = causal_attention(q, k, v, self.backend, self.strict)
+        if documents is None:  # the call as it was before document masking
+            y = causal_attention(q, k, v, self.backend, self.strict)
+        else:
+            y = causal_attention(q, k, v, self.backend, self.strict, documents=documents)
         return self.proj(y.reshape(b, s, -1))

@@ -43,12 +43,16 @@ def rope_tables(head_dim: int, seq_len: int, base: float,
 
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent channel pairs (2j, 2j+1) of x [B, S, H, D] in (at least) fp32; returns x's dtype."""
+    """Rotate adjacent channel pairs (2j, 2j+1) of x [B, S, H, D] in (at least) fp32; returns x's dtype. cos/sin:
+    the tables [>= S, D / 2] of positions 0, 1, ... (every row alike), or per-token tables [B, S, D / 2] (document
+    masking: positions restart at each document)."""
     s = x.shape[1]
     pairs = upcast(x).unflatten(-1, (-1, 2))
     even, odd = pairs[..., 0], pairs[..., 1]
-    c = cos[:s, None, :]
-    si = sin[:s, None, :]
+    if cos.dim() == 3:
+        c, si = cos[:, :s, None, :], sin[:, :s, None, :]
+    else:
+        c, si = cos[:s, None, :], sin[:s, None, :]
     rotated = torch.stack((even * c - odd * si, odd * c + even * si), dim=-1).flatten(-2)
     return rotated.type_as(x)
 

@@ -8,6 +8,9 @@ The forward runs the ragged loop (recurrence.py): the term of e in the injection
 each lap runs only the rows still looping. Activation checkpointing and compile are set by the trainer through
 set_activation_checkpointing / set_compile (execution.py); a sequence-parallel runtime declares through
 set_sequence_shard that e holds a slice of the sequence, so initial_state cuts h_0 from the whole sequence's draw.
+With model.doc_mask the context also holds the rows' document structure (documents.py), built once per forward:
+the blocks take it in place of the RoPE tables, and the loop carries it with the rows (permuted, then a prefix per
+lap) like the value embeddings.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from torch import nn
 from megaloop.config.model import ModelConfig
 from megaloop.model.block import Block, has_value_embedding
 from megaloop.model.depth_plan import DepthPlan, host_depths
+from megaloop.model.documents import Documents
 from megaloop.model.execution import check_checkpoint_mode, compile_blocks, maybe_checkpoint
 from megaloop.model.injection import build_injection
 from megaloop.model.init import init_looped_lm_
@@ -29,12 +33,18 @@ from megaloop.model.recurrence import loop_telemetry, run_loop, run_loop_masked
 
 @dataclass
 class LoopContext:
-    """Per-forward tensors shared by every loop step: RoPE tables and the core layers' value embeddings
-    (looked up once from the raw ids and reused at every recurrence)."""
+    """Per-forward tensors shared by every loop step: RoPE tables, the core layers' value embeddings (looked up
+    once from the raw ids and reused at every recurrence) and, under model.doc_mask, the rows' documents."""
 
     input_ids: torch.Tensor
     rope: tuple[torch.Tensor, torch.Tensor]
     core_ve: list[torch.Tensor | None] = field(default_factory=list)
+    documents: Documents | None = None
+
+    @property
+    def positions(self):
+        """What the blocks take for positions: the documents under doc_mask, else the RoPE tables."""
+        return self.rope if self.documents is None else self.documents
 
 
 @dataclass
@@ -52,6 +62,7 @@ class LoopedLM(nn.Module):
         self.cfg = cfg
         d, v = cfg.d_model, cfg.vocab_size
         kv_dim = cfg.kv_heads * cfg.head_dim
+        cfg.require_bos()
         self.embed = nn.Embedding(v, d)
         self.value_embeds = nn.ModuleDict({
             str(i): nn.Embedding(v, kv_dim)
@@ -120,22 +131,35 @@ class LoopedLM(nn.Module):
             raise ValueError(f"input has {s} positions but model.seq_len is {self.cfg.seq_len}")
         rope = (self.rope_cos[:s], self.rope_sin[:s])
         core_ve = [self.value_embedding(b.layer, input_ids) for b in self.core] if core_values else []
-        return LoopContext(input_ids, rope, core_ve)
+        documents = self.documents(input_ids) if self.cfg.doc_mask else None
+        return LoopContext(input_ids, rope, core_ve, documents)
+
+    def documents(self, input_ids: torch.Tensor) -> Documents:
+        """The document structure of rows `input_ids` (model.doc_mask), with the aid the attention kernel takes:
+        cu_seqlens for flash-attn and TE, a block-causal mask for sdpa and math."""
+        from megaloop.model.attention import GPU_BACKENDS, resolve_attention_backend
+
+        backend = self.core[0].attn.backend
+        if backend == "auto":
+            backend = resolve_attention_backend("auto", input_ids.device)
+        kernel = "varlen" if backend in GPU_BACKENDS else "dense"  # GPU kernels are resolved for CUDA only
+        return Documents.build(input_ids, self.cfg.bos_id, (self.rope_cos, self.rope_sin), kernel)
 
     def encode(self, input_ids: torch.Tensor, ctx: LoopContext) -> torch.Tensor:
         """Embedding, prelude blocks and the prelude norm: the input e that is injected at every loop step."""
         x = self.embed(input_ids)
         for block in self.prelude:
-            x = block(x, ctx.rope, self.value_embedding(block.layer, input_ids))
+            x = block(x, ctx.positions, self.value_embedding(block.layer, input_ids))
         return self.prelude_norm(x) if self.prelude_norm is not None else x
 
     def loop_step(self, h: torch.Tensor, e: torch.Tensor, ctx: LoopContext) -> torch.Tensor:
         """One recurrence: u = inject(h, e); h' = Core(u). (GPT: Core(e).)"""
         x = self.injection(h, e) if self.injection is not None else e
-        return self.core_pass(x, ctx.rope, ctx.core_ve)
+        return self.core_pass(x, ctx.positions, ctx.core_ve)
 
     def core_pass(self, x: torch.Tensor, rope, core_ve) -> torch.Tensor:
-        """The core blocks on x (each recomputed in backward under activation checkpointing "block")."""
+        """The core blocks on x (each recomputed in backward under activation checkpointing "block"); rope: the
+        RoPE tables or the rows' Documents (LoopContext.positions)."""
         per_block = self.activation_checkpointing == "block"
         for block, ve in zip(self.core, core_ve):
             x = maybe_checkpoint(per_block, block, x, rope, ve, recompute=self.checkpoint_function)
@@ -144,10 +168,20 @@ class LoopedLM(nn.Module):
     def _lap_body(self, h, term, coeffs, cos, sin, *core_ve) -> torch.Tensor:
         return self.core_pass(self.injection(h, prepared=(term, coeffs)), (cos, sin), core_ve)
 
+    def _lap_body_documents(self, h, term, coeffs, documents, *core_ve) -> torch.Tensor:
+        return self.core_pass(self.injection(h, prepared=(term, coeffs)), documents, core_ve)
+
     def lap_function(self, ctx: LoopContext, coeffs):
         """lap(h, term, *core_ve) -> h' on a block of rows: the injection's per-lap step with the precomputed term
-        of e, then the core (recomputed whole in backward under activation checkpointing "lap")."""
+        of e, then the core (recomputed whole in backward under activation checkpointing "lap"). Under doc_mask
+        the rows' documents come after the term: lap(h, term, documents, *core_ve) (see loop_rows)."""
         whole = self.activation_checkpointing == "lap"
+        if ctx.documents is not None:
+            def lap_documents(h, term, documents, *core_ve):
+                return maybe_checkpoint(whole, self._lap_body_documents, h, term, coeffs, documents, *core_ve,
+                                        recompute=self.checkpoint_function)
+
+            return lap_documents
         cos, sin = ctx.rope
 
         def lap(h, term, *core_ve):
@@ -156,11 +190,17 @@ class LoopedLM(nn.Module):
 
         return lap
 
+    @staticmethod
+    def loop_rows(ctx: LoopContext, term: torch.Tensor) -> list:
+        """The per-row inputs of lap_function's lap after h: the term of e, the documents (doc_mask only), the
+        core blocks' value embeddings."""
+        return [term, *([] if ctx.documents is None else [ctx.documents]), *ctx.core_ve]
+
     def decode(self, h: torch.Tensor, ctx: LoopContext) -> torch.Tensor:
         """C projection, coda blocks and the final norm."""
         x = self.C(h) if self.C is not None else h
         for block in self.coda:
-            x = block(x, ctx.rope, self.value_embedding(block.layer, ctx.input_ids))
+            x = block(x, ctx.positions, self.value_embedding(block.layer, ctx.input_ids))
         return self.final_norm(x)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -181,8 +221,8 @@ class LoopedLM(nn.Module):
         batch = input_ids.shape[0]
         plan = DepthPlan.make(self._default_depth(depth, batch), backprop_depth, batch)
         if self.injection is None:
-            h = maybe_checkpoint(self.activation_checkpointing == "lap", self.core_pass, e, ctx.rope, ctx.core_ve,
-                                 recompute=self.checkpoint_function)
+            h = maybe_checkpoint(self.activation_checkpointing == "lap", self.core_pass, e, ctx.positions,
+                                 ctx.core_ve, recompute=self.checkpoint_function)
             telemetry = {"executed_steps": 1, "useful_steps": batch, "core_rows": batch}
         else:
             h, telemetry = self._loop(e, ctx, plan, h0, noise_key)
@@ -198,7 +238,7 @@ class LoopedLM(nn.Module):
         term, coeffs = self.injection(None, e)  # once per forward, through the module call
         lap = self.lap_function(ctx, coeffs)
         run = run_loop if self.ragged_loop else run_loop_masked
-        result = run(lap, h0.to(e.dtype), [term, *ctx.core_ve], plan)
+        result = run(lap, h0.to(e.dtype), self.loop_rows(ctx, term), plan)
         telemetry = loop_telemetry(result, plan)
         telemetry["rho_A"] = self.injection.rho_tensor()
         if self.cfg.injection == "concat":

@@ -1,7 +1,8 @@
 """The loop with per-sequence depths and truncated backprop: the ragged loop (what the model runs) and the masked
 loop (the former reference, kept for comparison and for per-sequence k that is not end-aligned).
 
-Both call lap(h, *rows) -> h', where `rows` are per-row tensors (dim 0 = batch, or None) sliced like h. The core
+Both call lap(h, *rows) -> h', where `rows` are per-row tensors (dim 0 = batch, or None) sliced like h, or
+RowGroups (the document structure of the rows under model.doc_mask) that take and slice themselves. The core
 mixes positions only within a sequence and has no lap index, so each sequence gets exactly what it would get alone
 at its own depth. Nothing is stored for laps without gradient, so memory does not grow with n.
 
@@ -12,7 +13,7 @@ masked: every row runs max(n) no-grad laps then max(k) grad laps; torch.where ho
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
@@ -29,11 +30,29 @@ class LoopResult:
     core_rows: int  # rows x laps passed through the core
 
 
+class RowGroup(Protocol):
+    """Per-row data that is not one tensor (megaloop.model.documents.Documents): it permutes and slices itself."""
+
+    def take(self, order: np.ndarray) -> "RowGroup":
+        """The rows in host order `order`."""
+
+    def head(self, rows: int) -> "RowGroup":
+        """The first `rows` rows (itself when that is all of them)."""
+
+
 def _slice(rows, p: int):
     """The first p rows of each; the tensor itself when that is all of it (a view made under no_grad of a tensor
     that requires grad reports requires_grad without a grad_fn, which module hooks such as FlopCounterMode's
     tracker cannot attach to)."""
-    return [None if r is None else r if p == r.shape[0] else r[:p] for r in rows]
+    return [None if r is None else r.head(p) if not torch.is_tensor(r) else r if p == r.shape[0] else r[:p]
+            for r in rows]
+
+
+def _take(row, perm: torch.Tensor, order: np.ndarray):
+    """One row entry in plan order: a tensor gathered on its device, a RowGroup by the host order."""
+    if row is None:
+        return None
+    return row.index_select(0, perm) if torch.is_tensor(row) else row.take(order)
 
 
 def run_loop_ragged(lap: Callable, h0: torch.Tensor, rows: list, plan: RaggedPlan) -> LoopResult:
@@ -43,7 +62,7 @@ def run_loop_ragged(lap: Callable, h0: torch.Tensor, rows: list, plan: RaggedPla
     if not plan.is_identity:
         perm, inverse = to_device(np.stack([plan.order, np.argsort(plan.order)]), h0.device)
         h0 = h0.index_select(0, perm)
-        rows = [None if r is None else r.index_select(0, perm) for r in rows]
+        rows = [_take(r, perm, plan.order) for r in rows]
     outer_grad = torch.is_grad_enabled()
     h, h_prev = h0, h0
     for t, p in enumerate(plan.prefix):

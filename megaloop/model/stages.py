@@ -13,7 +13,8 @@ How a stage maps to LoopedLM's seams (core_ranges splits the core blocks into pp
   gradient must reach the parameters from every lap) and applies `injection(h, prepared=(term rows, coeffs))`;
   every rank then runs its own core blocks with their value embeddings, looked up from the permuted ids of the
   active rows. A lap carries only its active prefix (RaggedPlan.prefix), so messages shrink to the rows still
-  looping.
+  looping. Under model.doc_mask every rank builds the documents of the permuted rows once per micro-batch (from
+  the ids, which every rank holds: nothing travels) and gives each lap its prefix.
 - loss (last rank): un-permutes the rows, decode (C, coda, final norm), the tied head's logits, cross-entropy
   (ignore_index -100) times the micro-batch's scale.
 
@@ -187,6 +188,7 @@ class LoopedStageProgram:
         self._state: dict[int, dict] = {}  # last rank: state_norm and recurrent_residual of each micro-batch
         self._indices: dict[int, torch.Tensor] = {}  # plan order and inverse on the device, per micro-batch
         self._ids_in_order: dict[int, torch.Tensor] = {}
+        self._documents: dict[int, object] = {}  # doc_mask: the documents of each looping micro-batch, plan order
 
     def specs(self) -> list[dict]:
         """micro_batch_spec of every micro-batch, in order."""
@@ -235,20 +237,33 @@ class LoopedStageProgram:
                 h = torch.cat([h, h0[h.shape[0]:rows]])
         ids = self._ids(mb)[:rows]
         whole = self.model.activation_checkpointing == "lap"
+        positions = self._positions(mb, lap, ids)
         with self.autocast():
-            out = maybe_checkpoint(whole, self._segment, h, None if e is None else e[:rows], ids,
+            out = maybe_checkpoint(whole, self._segment, h, None if e is None else e[:rows], ids, positions,
                                    recompute=self.model.checkpoint_function).to(self.dtype)
         if self.stage == self.pp - 1 and lap == self.plans[mb].laps - 2:
             self._prev[mb] = out.detach()
         travels = self.pp > 1 and (self.stage < self.pp - 1 or lap < self.plans[mb].laps - 1)
         return out.to(self.message) if travels else out  # the last lap's state stays for the loss
 
-    def _segment(self, h: torch.Tensor, term: Optional[torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+    def _positions(self, mb: int, lap: int, ids: torch.Tensor):
+        """What lap `lap`'s blocks take for positions (its rows `ids`): the RoPE tables, or under doc_mask the
+        active prefix of the micro-batch's documents in plan order (built at its first lap on this rank, dropped
+        after its last)."""
+        if not self.model.cfg.doc_mask:
+            return self.model.context(ids, core_values=False).rope
+        documents = self._documents.get(mb)
+        if documents is None:
+            documents = self._documents[mb] = self.model.documents(self._ids(mb))
+        if lap == self.plans[mb].laps - 1:
+            del self._documents[mb]
+        return documents.head(ids.shape[0])
+
+    def _segment(self, h: torch.Tensor, term: Optional[torch.Tensor], ids: torch.Tensor, rope) -> torch.Tensor:
         model = self.model
         x = h
         if term is not None:
             x = term if model.injection is None else model.injection(h, prepared=(term, model.injection(None)[1]))
-        rope = model.context(ids, core_values=False).rope
         per_block = model.activation_checkpointing == "block"
         for block in self.blocks:
             x = maybe_checkpoint(per_block, block, x, rope, model.value_embedding(block.layer, ids))

@@ -53,7 +53,8 @@ def overrides(point: Point, scale: Scale, shards: Path) -> list[str]:
 
 
 # config keys added after runs were first hashed, with the default that leaves a run as it was before them
-LATER_KEYS = (("train", "tokens", None), ("data", "packing", None), ("model", "doc_mask", False))
+LATER_KEYS = (("train", "tokens", None), ("data", "packing", None), ("model", "doc_mask", False),
+              ("model", "bos_id", None), ("model", "doc_attention_share", None))
 
 
 def config_hash(point: Point, scale: Scale, shards: Path) -> str:

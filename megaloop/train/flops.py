@@ -17,6 +17,15 @@ products: 4 d S per layer per token forward, as the Megatron-LM paper's formula 
 ignores the causal mask's sparsity) do, and as torch.utils.flop_counter counts an unmasked kernel. The causal
 convention halves the attention terms (the work a causal kernel can skip; flash-attn does skip it).
 
+Document masking (model.doc_mask). A token attends only within its document, so a row of documents of lengths
+len_d holds sum_d len_d^2 query-key pairs instead of S^2 (halved under the causal convention, as for full rows):
+every attention term above is scaled by the share s = mean over rows of sum_d len_d^2 / S^2
+(ModelConfig.attention_share: model.doc_attention_share, measured from the shards' train rows when the config is
+validated; 1.0 without doc_mask, or when it is not known). Assumptions: the rows the run reads have the documents
+of the sampled rows on average (the measure is a sample mean); the count is the work within documents, what the
+varlen kernels (flash-attn, Transformer Engine) run; a dense masked kernel (sdpa) computes every pair of the row
+and is charged only the pairs it keeps, so its MFU reads low, never high.
+
 `useful` uses each sequence's own (n_i, k_i); `executed` uses what ran: every sequence of a micro-batch runs max(n)
 and max(k) laps. `hardware` adds the forwards recomputed under activation checkpointing.
 """
@@ -66,7 +75,7 @@ class FlopModel:
     @staticmethod
     def of(cfg: ModelConfig, causal: bool = False) -> "FlopModel":
         d, s = cfg.d_model, cfg.seq_len
-        attn = (0.5 if causal else 1.0) * 4 * d * s  # per layer per token, forward
+        attn = (0.5 if causal else 1.0) * 4 * d * s * cfg.attention_share  # per layer per token, forward
         p, c, o = cfg.n_prelude, cfg.n_core, cfg.n_coda
         head = Component("head", 6 * cfg.vocab_size * d)
         if not cfg.is_looped:  # GPT: one plain stack, every block once with gradient
@@ -97,7 +106,8 @@ class FlopModel:
 
     def integer_coefficients(self) -> tuple[int, int, int]:
         """(non_loop, step_nograd, step_grad) as integers (they are whole numbers of FLOPs per token: parameter
-        counts and d * S * layers times even factors), for exact per-row costs (megaloop.depth.balance.row_costs)."""
+        counts and d * S * layers times even factors; under doc_mask the attention share makes them fractions,
+        rounded here), for exact per-row costs (megaloop.depth.balance.row_costs)."""
         return tuple(int(round(c)) for c in (self.non_loop, self.step_nograd, self.step_grad))
 
     def per_token(self, n: float, k: float) -> float:

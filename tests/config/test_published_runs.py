@@ -124,3 +124,25 @@ def test_check_prints_the_budget_and_rates():
     assert tail[1] == "optimizer: muon: Muon (matrices) lr 0.008, AdamW (the rest) lr 0.006"
     tree = json.loads("\n".join(proc.stdout.splitlines()[:-3]))
     assert tree["train"]["tokens"] == 104_000_000_000 and tree["train"]["steps"] == 198_365
+
+
+@pytest.mark.parametrize("record, wanted, refused", [
+    (None, "bestfit", True),  # a manifest from before packing was recorded: stream
+    ({"mode": "stream"}, "bestfit", True),
+    ({"mode": "bestfit"}, "bestfit", False),
+    ({"mode": "bestfit"}, "stream", True),
+    (None, None, False),  # data.packing null: any shards
+])
+def test_data_packing_is_held_to_the_manifest(tmp_path, record, wanted, refused):
+    manifest = {"seq_len": 128, "row_len": 129, "tokenizer": {"vocab_size": 4096, "bos_id": 0}}
+    if record is not None:
+        manifest["packing"] = record
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    sets = [f"data.shards={tmp_path}"] + ([f"data.packing={wanted}"] if wanted else [])
+    if not refused:
+        assert load_config(CONFIGS / "parcae-tiny.yaml", sets).data.packing == wanted
+        return
+    have = record["mode"] if record else "stream"
+    with pytest.raises(ConfigError, match=f"were packed with {have}; re-create them with `python -m data_prep "
+                                          f"shards --packing {wanted}`, or set data.packing=null"):
+        load_config(CONFIGS / "parcae-tiny.yaml", sets)

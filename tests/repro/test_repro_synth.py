@@ -150,7 +150,8 @@ def test_config_hash_names_the_synth_evaluation_only_where_it_is_used(synth):
               eval_depths=(1, 2))
     tree = load_config(REPO / p.config, overrides(p, scale, shards)).to_dict()
     for section, key in (("train", "out_dir"), ("train", "progress"), ("data", "shards"), ("train", "wandb"),
-                         ("train", "tokens"), ("data", "packing"), ("model", "doc_mask")):  # the last 4: newer keys
+                         ("train", "tokens"), ("data", "packing"), ("model", "doc_mask"), ("model", "bos_id"),
+                         ("model", "doc_attention_share")):  # from wandb on: newer keys
         tree[section].pop(key, None)  # (at their defaults here), left out so that finished runs keep their hashes
     tree["repro"] = {"kind": "train", "eval_depths": [1, 2], "eval_rows": 256, "bench_steps": 10, "nproc": 1}
     expected = hashlib.sha256(json.dumps(tree, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -41,6 +41,32 @@ def test_our_convention_by_hand():
     assert causal.step_grad == 6 * n_loop + 6 * d * s * 2
 
 
+def test_document_masking_scales_attention_by_the_share_of_pairs_kept():
+    """model.doc_mask with rows of documents 5, 9 and 18 tokens in S = 32: a row keeps 25 + 81 + 324 = 430 of its
+    32^2 = 1024 query-key pairs, so every attention term is 430/1024 of the full row's (both conventions) and the
+    matmuls are unchanged; the share measured from such a row is that value; doc_mask off ignores the share."""
+    import numpy as np
+
+    from megaloop.model.documents import attention_share
+
+    row = np.full((1, 32), 7)
+    row[0, [0, 5, 14]] = 1  # BOS (id 1) at each document's start
+    share = attention_share(row, 1)
+    assert share == 430 / 1024
+    sizes = dict(vocab_size=100, d_model=8, n_heads=2, n_prelude=1, n_core=2, n_coda=1, seq_len=32, mu_rec=3,
+                 mu_bwd=1)
+    full = FlopModel.of(ModelConfig(**sizes))
+    masked = ModelConfig(**sizes, doc_mask=True, bos_id=1, doc_attention_share=share)
+    fm = FlopModel.of(masked)
+    d, s = 8, 32
+    assert fm.step_grad == full.step_grad - 12 * d * s * 2 + 12 * d * 430 / s * 2  # 2 core layers, 12 d S each
+    assert fm.step_nograd == full.step_nograd - 4 * d * s * 2 + 4 * d * 430 / s * 2
+    assert fm.non_loop == full.non_loop - 12 * d * s * 2 + 12 * d * 430 / s * 2  # prelude + coda layer
+    causal = FlopModel.of(masked, causal=True)
+    assert causal.step_grad == full.step_grad - 12 * d * s * 2 + 6 * d * 430 / s * 2
+    assert FlopModel.of(ModelConfig(**sizes, doc_attention_share=share)).step_grad == full.step_grad
+
+
 def test_useful_and_executed_follow_depths():
     cfg = ModelConfig(vocab_size=100, d_model=8, n_heads=2, n_prelude=1, n_core=2, n_coda=1, seq_len=4)
     fm = FlopModel.of(cfg)
