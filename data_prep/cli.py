@@ -67,7 +67,14 @@ def _add_shards_parser(commands) -> None:
                    help="fraction of documents held out for validation, chosen by file-name hash (default 0.01)")
     p.add_argument("--shard-size", type=int, default=8192, help="rows per shard (default 8192)")
     p.add_argument("--keep-last-partial", action="store_true",
-                   help="keep each split's final incomplete row, padded with <|pad|> (default: drop it)")
+                   help="keep each split's final incomplete row, padded with <|pad|> (default: drop it; bestfit "
+                   "always keeps it)")
+    p.add_argument("--packing", choices=("bestfit", "stream"), default="bestfit",
+                   help="bestfit (default, as the published runs): every row starts at a document's BOS, filled with "
+                   "the longest buffered documents that fit, the shortest cut to fill it (its rest dropped); stream: "
+                   "one stream of documents cut at fixed offsets, documents span rows (nothing dropped but the tail)")
+    p.add_argument("--pack-buffer", type=int, default=1000,
+                   help="bestfit: documents buffered to choose from (default 1000)")
     p.add_argument("--glob", default="*", help="file-name pattern of the documents (default: every file)")
     p.add_argument("--encoder", choices=("auto", "tiktoken", "hf"), default="auto",
                    help="auto: tiktoken when it matches HF ids on a sample, else HF")
@@ -284,8 +291,9 @@ def run_shards(args) -> int:
     args.input = args.input[0]
     options = ShardOptions(seq_len=args.seq_len, shard_size=args.shard_size, val_fraction=args.val_fraction,
                            keep_last_partial=args.keep_last_partial, glob=args.glob, encoder=args.encoder,
-                           max_invalid_fraction=args.max_invalid_fraction, workers=workers,
-                           overwrite=args.overwrite, progress=not args.quiet and rank == 0)
+                           max_invalid_fraction=args.max_invalid_fraction, packing=args.packing,
+                           pack_buffer=args.pack_buffer, workers=workers, overwrite=args.overwrite,
+                           progress=not args.quiet and rank == 0)
     start = time.perf_counter()
     try:
         if comm is None:
@@ -362,10 +370,13 @@ def run_finalize(args) -> int:
 
 
 def _print_shard_summary(manifest: dict, seconds: float, ranks: int, workers: int) -> None:
+    from .packing import split_summary, summary_lines
+
     counts = manifest["counts"]
     for split, info in sorted(manifest["splits"].items()):
         print(f"{split}: {info['rows']} rows ({info['tokens']} tokens) in {len(info['shards'])} shards, "
-              f"{info['documents']} documents")
+              f"{info['documents']} documents, {split_summary(manifest, split)}")
+    print("\n".join(summary_lines(manifest)))
     print(f"files: {counts['files_used']} used, {counts['files_skipped']} skipped {counts['skipped_by_reason']}, "
           f"{counts['replaced_bytes']} invalid bytes replaced in {counts['files_with_replaced_bytes']} files")
     mb = counts["text_bytes"] / 1e6

@@ -18,6 +18,7 @@ import numpy as np
 from . import __version__
 from .errors import DataPrepError, NotEnoughTokensError
 from .manifest import FORMAT, MANIFEST_FILE, UNIT_FORMAT_VERSION, write_manifest
+from .packing import units_packing_record
 from .prepare import SPLITS, TOKENIZER_SUBDIR, publish_outputs, staging_dir
 from .shard_writer import shard_name
 from .tokenizer import copy_tokenizer_files, load_tokenizer
@@ -59,7 +60,9 @@ def _link_splits(out: Path, staging: Path, summaries: list[dict], seq_len: int) 
                 rows += shard["rows"]
                 number += 1
         splits[split] = {"rows": rows, "tokens": rows * (seq_len + 1), "stream_tokens": stream_tokens,
-                         "documents": documents, "padded_tokens": 0, "dropped_tail_tokens": dropped, "shards": shards}
+                         "documents": documents, "padded_tokens": sum(s["splits"][split].get("padded_tokens", 0)
+                                                                      for s in summaries),
+                         "dropped_tail_tokens": dropped, "shards": shards}
     return splits
 
 
@@ -91,6 +94,7 @@ def build_manifest(job: dict, tok, summaries: list[dict], splits: dict) -> dict:
         "tokenizer": {"hash": tok.hash, "vocab_size": tok.vocab_size, "bos_id": tok.bos_id, "eos_id": tok.eos_id,
                       "pad_id": tok.pad_id, "encoder": tok.encoder_name, "copy": TOKENIZER_SUBDIR},
         "parameters": job["options"], "splits": splits, "counts": counts,
+        "packing": units_packing_record(job["options"], summaries),
         "rows": sum(s["rows"] for s in splits.values()), "tokens": sum(s["tokens"] for s in splits.values()),
         "inputs": [{"name": name, **inputs[name]} for name in sorted(inputs)],
     }

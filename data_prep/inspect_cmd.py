@@ -4,7 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from .errors import DataPrepError
-from .manifest import check_tokenizer_hash, read_manifest, shard_problem
+from .manifest import check_tokenizer_hash, packing_of, read_manifest, shard_problem
+from .packing import describe_packing
 from .shard_reader import ShardDataset, ShardRows
 from .tokenizer import load_tokenizer
 
@@ -18,9 +19,21 @@ def _print_counts(manifest: dict, out) -> None:
         print(f"  {split:5s}: {info['rows']} rows, {info['tokens']} tokens, {info['documents']} documents, "
               f"{len(info['shards'])} shards, {info['dropped_tail_tokens']} tail tokens dropped, "
               f"{info['padded_tokens']} padded", file=out)
+    _print_packing(manifest, out)
     print(f"  files: {counts['files_listed']} listed, {counts['files_used']} used, {counts['files_skipped']} "
           f"skipped {counts['skipped_by_reason']}; {counts['replaced_bytes']} invalid UTF-8 bytes replaced in "
           f"{counts['files_with_replaced_bytes']} files; {counts['text_bytes']} bytes of text", file=out)
+
+
+def _print_packing(manifest: dict, out) -> None:
+    """The packing mode and what it cost, in total and per split."""
+    record = packing_of(manifest)
+    stream_tokens = sum(info.get("stream_tokens", 0) for info in manifest["splits"].values())
+    print(f"  {describe_packing(record, stream_tokens)}", file=out)
+    per_split = [f"{split} {f['dropped_tokens']} dropped, {f['padded_tokens']} padded"
+                 + ("" if f.get("cut_documents") is None else f", {f['cut_documents']} documents cut")
+                 for split, f in sorted(record["splits"].items())]
+    print(f"    by split: {'; '.join(per_split)}", file=out)
 
 
 def _check_shards(shard_dir: Path, manifest: dict, verify: str, progress: bool, out) -> int:

@@ -4,7 +4,10 @@ The manifest is written last, after every shard is closed, so a directory with a
 fields: format/format_version, seq_len, row_len, dtype, tokenizer {hash, vocab_size, bos_id, eos_id, pad_id,
 encoder}, parameters (the creation options that shape the output), splits {train, val: rows, tokens, documents,
 shards [{name, rows, first_row, size, sha256, data_offset, stride}]}, sources [{path, size, sha256, split, tokens,
-replaced_bytes, skipped}], counts (files, skipped files by reason, replaced bytes).
+replaced_bytes, skipped}], counts (files, skipped files by reason, replaced bytes), packing {mode, buffer,
+bos_framed, rows_start_at_bos, dropped_tokens, padded_tokens, cut_documents, splits {split: the three figures}}
+(data_prep.packing). A manifest without `packing` was written before packing was recorded: stream packing
+(`packing_of` reads either).
 
 Format version 2 added each shard's member layout (data_offset, stride), so that readers never scan a tar archive.
 A version-1 directory is refused with the command that adds it (`python -m data_prep reindex --shards DIR`).
@@ -86,6 +89,20 @@ def check_manifest_layout(manifest: dict, path) -> None:
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in (seq_len, row_len)) or row_len != seq_len + 1:
         raise DataPrepError(f"{path} records seq_len {seq_len!r} but rows of {row_len!r} tokens (row_len); a row holds "
                             "seq_len + 1 tokens, so the manifest contradicts its own rows", remedy)
+
+
+def packing_of(manifest: dict) -> dict:
+    """The manifest's packing record; for a manifest written before packing was recorded, the stream packing those
+    versions did, its figures from the split counts (cut_documents unknown: None) and `recorded` False."""
+    if "packing" in manifest:
+        return manifest["packing"]
+    splits = {split: {"dropped_tokens": info.get("dropped_tail_tokens", 0),
+                      "padded_tokens": info.get("padded_tokens", 0), "cut_documents": None}
+              for split, info in manifest["splits"].items()}
+    return {"mode": "stream", "buffer": None, "bos_framed": True, "rows_start_at_bos": False, "recorded": False,
+            "dropped_tokens": sum(f["dropped_tokens"] for f in splits.values()),
+            "padded_tokens": sum(f["padded_tokens"] for f in splits.values()), "cut_documents": None,
+            "splits": splits}
 
 
 def manifest_fingerprint(manifest: dict) -> str:

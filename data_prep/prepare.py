@@ -23,7 +23,8 @@ import numpy as np
 from . import __version__
 from .errors import DataPrepError, EmptyCorpusError, NotEnoughTokensError
 from .manifest import FORMAT, FORMAT_VERSION, MANIFEST_FILE, write_manifest
-from .shard_writer import RowPacker, SplitShardWriter
+from .packing import DEFAULT_PACK_BUFFER, check_packing, make_packer, packing_record, split_figures
+from .shard_writer import SplitShardWriter
 from .text_io import (DEFAULT_MAX_INVALID_FRACTION, SourceFile, list_source_files, probe_skip_reason,
                       read_document)
 from .tokenizer import TrainedTokenizer, copy_tokenizer_files, load_tokenizer
@@ -47,6 +48,8 @@ class ShardOptions:
     glob: str = "*"
     encoder: str = "auto"
     max_invalid_fraction: float = DEFAULT_MAX_INVALID_FRACTION
+    packing: str = "stream"  # data_prep.packing; `data_prep shards` defaults to bestfit, this API keeps stream
+    pack_buffer: int = DEFAULT_PACK_BUFFER
     # execution only: these never change the output
     workers: int = 1
     overwrite: bool = False
@@ -72,6 +75,7 @@ class ShardOptions:
                                 "pass e.g. --max-invalid-fraction 0.1")
         if self.workers < 1:
             raise DataPrepError(f"--workers must be at least 1, got {self.workers}", "pass --workers 1 or more")
+        check_packing(self.packing, self.pack_buffer)
 
 
 @dataclass
@@ -150,7 +154,8 @@ def plan_corpus(input_dir, tok: TrainedTokenizer, options: ShardOptions) -> Corp
     val = choose_validation([sources[i].relpath for i in usable], options.val_fraction)
     splits = [None if i in pre_skipped else ("val" if sources[i].relpath in val else "train")
               for i in range(len(sources))]
-    _check_split_can_fill_a_row(sources, splits, options)
+    if options.packing == "stream":  # best fit makes a (padded) row of any document
+        _check_split_can_fill_a_row(sources, splits, options)
     encoder, check = _check_fast_encoder_on_corpus(tok, input_dir, sources, usable, options)
     return CorpusPlan(str(input_dir), sources, splits, pre_skipped, encoder, check)
 
@@ -226,8 +231,8 @@ class ShardAssembler:
 
     def __post_init__(self):
         dtype, row_len = self.tok.token_dtype, self.options.seq_len + 1
-        self.packers = {s: RowPacker(row_len, self.tok.bos_id, self.tok.eos_id, self.tok.pad_id, dtype)
-                        for s in SPLITS}
+        self.packers = {s: make_packer(self.options.packing, row_len, self.tok.bos_id, self.tok.eos_id,
+                                       self.tok.pad_id, dtype, self.options.pack_buffer) for s in SPLITS}
         self.writers = {s: SplitShardWriter(self.out_dir, s, self.options.shard_size, row_len, dtype)
                         for s in SPLITS}
 
@@ -278,9 +283,11 @@ class ShardAssembler:
             if wanted and split_info[split]["rows"] == 0:
                 raise NotEnoughTokensError(f"the {split} split is empty (its documents were all skipped)",
                                            "check the skipped files, add documents or change --val-fraction")
-        return self._manifest(split_info)
+        packing = packing_record(self.options.packing, self.options.pack_buffer,
+                                 {s: split_figures(self.packers[s]) for s in SPLITS})
+        return self._manifest(split_info, packing)
 
-    def _manifest(self, split_info: dict) -> dict:
+    def _manifest(self, split_info: dict, packing: dict) -> dict:
         skipped: dict[str, int] = {}
         for entry in self.sources_out:
             if entry["skipped"]:
@@ -300,7 +307,7 @@ class ShardAssembler:
             "tokenizer": {"hash": tok.hash, "vocab_size": tok.vocab_size, "bos_id": tok.bos_id,
                           "eos_id": tok.eos_id, "pad_id": tok.pad_id, "encoder": self.plan.encoder,
                           "encoder_check": self.plan.encoder_check, "copy": TOKENIZER_SUBDIR},
-            "parameters": self.options.recorded(), "splits": split_info, "counts": counts,
+            "parameters": self.options.recorded(), "splits": split_info, "counts": counts, "packing": packing,
             "rows": sum(s["rows"] for s in split_info.values()),
             "tokens": sum(s["tokens"] for s in split_info.values()),
             "sources": self.sources_out,

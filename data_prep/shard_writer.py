@@ -2,7 +2,8 @@
 
 A split's documents become one stream  BOS d0 EOS BOS d1 EOS ...  cut into consecutive, non-overlapping rows of
 row_len = seq_len + 1 tokens (documents span rows freely). Only the final, incomplete row could need padding: it is
-dropped by default, or padded with PAD when asked to keep it.
+dropped by default, or padded with PAD when asked to keep it. That is the `stream` packing mode; data_prep.packing
+holds the default of `data_prep shards`, BOS-aligned best fit, where every row starts at a document's BOS.
 
 Each row is one tar member named `{row:010d}.npy` (row = index of the row within its split), holding a 1-D .npy
 array (uint16 when every id fits, else uint32), exactly what `numpy.save` writes. Tar headers are fixed (mtime 0,
@@ -183,7 +184,9 @@ class SplitShardWriter:
 
 @dataclass
 class RowPacker:
-    """Joins documents as BOS doc EOS into one stream and hands out complete rows of `row_len` tokens."""
+    """Joins documents as BOS doc EOS into one stream and hands out complete rows of `row_len` tokens (the `stream`
+    packing mode, data_prep.packing). Counts, once finished, what the tail cost: dropped_tokens, padded_tokens and
+    cut_documents (the documents with tokens in a dropped tail)."""
 
     row_len: int
     bos_id: int
@@ -192,10 +195,15 @@ class RowPacker:
     dtype: type
     stream_tokens: int = 0
     documents: int = 0
+    dropped_tokens: int = 0
+    padded_tokens: int = 0
+    cut_documents: int = 0
     _carry: np.ndarray = None
+    _carry_starts: list = None  # where documents start within the carry
 
     def __post_init__(self):
         self._carry = np.empty(0, dtype=self.dtype)
+        self._carry_starts = []
 
     def add_document(self, tokens: np.ndarray) -> np.ndarray:
         """Add one document's tokens (without BOS/EOS); returns the rows it completed, shape [n, row_len]."""
@@ -207,8 +215,10 @@ class RowPacker:
         self.stream_tokens += len(tokens) + 2
         self.documents += 1
         full = len(framed) // self.row_len
-        self._carry = framed[full * self.row_len:].copy()
-        return framed[:full * self.row_len].reshape(full, self.row_len)
+        cut = full * self.row_len
+        self._carry_starts = [s - cut for s in self._carry_starts + [len(self._carry)] if s >= cut]
+        self._carry = framed[cut:].copy()
+        return framed[:cut].reshape(full, self.row_len)
 
     def finish(self, keep_partial: bool) -> tuple[np.ndarray, int, int]:
         """The last incomplete row: (rows [0 or 1, row_len], padded tokens, dropped tokens)."""
@@ -216,7 +226,10 @@ class RowPacker:
         if tail == 0:
             return np.empty((0, self.row_len), dtype=self.dtype), 0, 0
         if not keep_partial:
+            self.dropped_tokens += tail
+            self.cut_documents += len(self._carry_starts) + (not self._carry_starts or self._carry_starts[0] > 0)
             return np.empty((0, self.row_len), dtype=self.dtype), 0, tail
         row = np.full((1, self.row_len), self.pad_id, dtype=self.dtype)
         row[0, :tail] = self._carry
+        self.padded_tokens += self.row_len - tail
         return row, self.row_len - tail, 0

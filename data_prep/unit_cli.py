@@ -37,7 +37,8 @@ def unit_options(args, workers: int, comm):
     return UnitOptions(seq_len=args.seq_len, shard_size=args.shard_size, val_fraction=args.val_fraction,
                        glob=args.glob, format=args.format, read=read, min_chars=args.min_chars,
                        filters=tuple(parse_filter(f) for f in args.filter), vocab_size=args.vocab_size,
-                       encoder=args.encoder, unit_bytes=int(args.unit_mb * 1e6), task_index=index, task_count=count,
+                       encoder=args.encoder, unit_bytes=int(args.unit_mb * 1e6), packing=args.packing,
+                       pack_buffer=args.pack_buffer, task_index=index, task_count=count,
                        workers=workers, overwrite=args.overwrite, progress=not args.quiet and index == 0)
 
 
@@ -96,10 +97,13 @@ def run_unit_shards(args, comm, workers: int) -> int:
 
 
 def print_unit_summary(manifest: dict, seconds: float, options) -> None:
+    from .packing import split_summary, summary_lines
+
     counts = manifest["counts"]
     for split, info in sorted(manifest["splits"].items()):
         print(f"{split}: {info['rows']} rows ({info['tokens']} tokens) in {len(info['shards'])} shards, "
-              f"{info['documents']} documents, {info['dropped_tail_tokens']} tokens dropped at unit ends")
+              f"{info['documents']} documents, {split_summary(manifest, split)} (packed within work units)")
+    print("\n".join(summary_lines(manifest)))
     print(f"documents: {counts['documents_used']} kept, {counts['documents_skipped']} skipped "
           f"{counts['skipped_by_reason']}; {counts['files_listed']} input files in {counts['units']} work units")
     asked = manifest["parameters"]["val_fraction"]

@@ -12,8 +12,10 @@ tasks of a Slurm array or separate invocations, resumable after a kill, byte-ide
 3. Finalize (data_prep.finalize, automatic once every unit is committed): the units' shards are linked into the
    output in unit order under global names, their rows numbered on, and manifest.json is written last.
 
-Cost of packing within units: each unit drops its split's last incomplete row (under seq_len + 1 tokens per split
-and unit), so a 256 MB unit (~60M tokens) loses at most 2 x 2048 tokens at seq 2048: under 0.01%.
+Cost of packing within units: under --packing stream each unit drops its split's last incomplete row (under
+seq_len + 1 tokens per split and unit), so a 256 MB unit (~60M tokens) loses at most 2 x 2048 tokens at seq 2048:
+under 0.01%. Under --packing bestfit (data_prep.packing) each unit's splits are best-fit packed from their own
+buffer, drained at the unit's end, whose last row is padded (under seq_len + 1 pad tokens per split and unit).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from .errors import DataPrepError
 from .filters import FieldFilter
 from .inputs import InputFile, resolve_inputs
 from .manifest import MANIFEST_FILE
+from .packing import DEFAULT_PACK_BUFFER, check_packing
 from .readers import ReadOptions, open_reader
 from .stores import is_remote
 from .tokenizer import load_tokenizer
@@ -49,6 +52,8 @@ class UnitOptions:
     vocab_size: int | None = None  # pre-tokenized input: the ids' vocabulary (default: the tokenizer's)
     encoder: str = "auto"
     unit_bytes: int = DEFAULT_UNIT_BYTES
+    packing: str = "stream"  # data_prep.packing; `data_prep shards` defaults to bestfit, this API keeps stream
+    pack_buffer: int = DEFAULT_PACK_BUFFER
     # execution only: never change the output
     task_index: int = 0
     task_count: int = 1
@@ -67,7 +72,8 @@ class UnitOptions:
                 "glob": self.glob, "text_field": r.text_field, "tokens_field": r.tokens_field, "id_field": r.id_field,
                 "on_bad_record": r.on_bad_record, "max_invalid_fraction": r.max_invalid_fraction,
                 "min_chars": self.min_chars, "filters": [f.text for f in self.filters],
-                "vocab_size": self.vocab_size, "unit_bytes": self.unit_bytes}
+                "vocab_size": self.vocab_size, "unit_bytes": self.unit_bytes, "packing": self.packing,
+                "pack_buffer": self.pack_buffer}
 
     def validate(self) -> None:
         checks = [(self.seq_len >= 1, "--seq-len must be at least 1", "pass a positive --seq-len"),
@@ -81,6 +87,7 @@ class UnitOptions:
         for ok, problem, remedy in checks:
             if not ok:
                 raise DataPrepError(problem, remedy)
+        check_packing(self.packing, self.pack_buffer)
 
 
 @dataclass
@@ -122,7 +129,7 @@ def _run_unit(args) -> dict:
     def write(tmp: Path) -> dict:
         holder.update(write_unit(unit, tmp, options.read, tok.encode_to_array, (tok.bos_id, tok.eos_id, tok.pad_id),
                                  vocab, options.seq_len, options.shard_size, options.val_fraction, tok.token_dtype,
-                                 options.min_chars, options.filters))
+                                 options.min_chars, options.filters, options.packing, options.pack_buffer))
         return holder
 
     commit_unit(out, unit, write, options.task)

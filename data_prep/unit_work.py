@@ -1,8 +1,9 @@
 """One work unit's shards: read its pieces, skip by reason, encode, split validation, pack and write.
 
 Within a unit the validation documents are chosen exactly as for a whole corpus (prepare.choose_validation on the
-documents' keys), each split is packed as BOS d EOS BOS d EOS ... and written as `{split}-{unit:06d}-{k:04d}.tar`
-whose members are numbered by row within the unit (global offsets are assigned when the units are finalized).
+documents' keys), each split is packed from the unit's own documents of that split (data_prep.packing: bestfit or
+stream, each document framed BOS d EOS) and written as `{split}-{unit:06d}-{k:04d}.tar` whose members are numbered
+by row within the unit (global offsets are assigned when the units are finalized).
 """
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ import numpy as np
 
 from .filters import skip_reason
 from .manifest import file_sha256
+from .packing import DEFAULT_PACK_BUFFER, make_packer, split_figures
 from .prepare import SPLITS, choose_validation
 from .readers import ReadOptions, open_reader
 from .readers.fields import check_token_ids
 from .remote_inputs import local_copy
 from .stores import is_remote
-from .shard_writer import RowPacker, SplitShardWriter, shard_name
+from .shard_writer import SplitShardWriter, shard_name
 from .units import WorkUnit
 
 
@@ -41,9 +43,11 @@ def read_unit_records(unit: WorkUnit, options: ReadOptions, inputs: dict | None 
 
 def write_unit(unit: WorkUnit, out: Path, options: ReadOptions, encode: Callable[[str], np.ndarray] | None,
                specials: tuple[int, int, int], vocab_size: int, seq_len: int, shard_size: int,
-               val_fraction: float, dtype, min_chars: int = 0, filters: tuple = ()) -> dict:
-    """Write the unit's shards into `out`; returns its summary (rows, tokens, documents, skips, shards per split,
-    and the size and sha256 of each input file whose first piece is in this unit)."""
+               val_fraction: float, dtype, min_chars: int = 0, filters: tuple = (), packing: str = "stream",
+               pack_buffer: int = DEFAULT_PACK_BUFFER) -> dict:
+    """Write the unit's shards into `out`; returns its summary (rows, tokens, documents, skips, shards and packing
+    figures per split, and the size and sha256 of each input file whose first piece is in this unit). Each split's
+    last row: dropped when incomplete (stream), padded (bestfit: the buffer is drained at the unit's end)."""
     skipped: Counter = Counter()
     docs, inputs = [], {}
     for record in read_unit_records(unit, options, inputs):
@@ -65,14 +69,15 @@ def write_unit(unit: WorkUnit, out: Path, options: ReadOptions, encode: Callable
     summary = {"documents": len(docs), "skipped_by_reason": dict(sorted(skipped.items())), "splits": {},
                "bytes": unit.size, "inputs": inputs}
     for split in SPLITS:
-        packer = RowPacker(seq_len + 1, bos, eos, pad, dtype)
+        packer = make_packer(packing, seq_len + 1, bos, eos, pad, dtype, pack_buffer)
         staging = out / f".{split}"
         staging.mkdir()
         writer = SplitShardWriter(staging, split, shard_size, seq_len + 1, dtype)
         for key, tokens in docs:
             if (key in val_keys) == (split == "val"):
                 writer.add_rows(packer.add_document(tokens))
-        _, _, dropped = packer.finish(keep_partial=False)
+        rows, _, dropped = packer.finish(keep_partial=False)
+        writer.add_rows(rows)  # stream: none; bestfit: the drained buffer's rows, the last one padded
         shards = writer.close()
         for number, shard in enumerate(shards):
             shard["name"] = unit_shard_name(split, unit.index, number)
@@ -80,6 +85,6 @@ def write_unit(unit: WorkUnit, out: Path, options: ReadOptions, encode: Callable
         staging.rmdir()
         summary["splits"][split] = {"rows": writer.rows_written, "documents": packer.documents,
                                     "stream_tokens": packer.stream_tokens, "dropped_tail_tokens": dropped,
-                                    "shards": shards}
+                                    **split_figures(packer), "shards": shards}
     return summary
 

@@ -24,7 +24,8 @@ if [ ! -f "$SHARDS/manifest.json" ]; then
   mkdir -p "$OUT"
   "$PY" -m data_prep tokenizer --input data/sample_corpus --output "$OUT/tokenizer" --vocab-size 4096 --overwrite &&
   "$PY" -m data_prep shards --input data/sample_corpus --tokenizer "$OUT/tokenizer" --output "$SHARDS" \
-    --seq-len 2048 --overwrite || { echo "gpu_bench: could not build the shards in $SHARDS" >&2; exit 1; }
+    --seq-len 2048 --packing stream --overwrite ||
+    { echo "gpu_bench: could not build the shards in $SHARDS" >&2; exit 1; }
 fi
 sets=(--set "data.shards=$SHARDS" --set train.device=cuda --set train.precision=bf16 --set train.progress=false
       --set data.global_batch_size=16 --set data.micro_batch_size=8)

@@ -42,7 +42,8 @@ def check_one_length(section: dict | None, source: str) -> None:
     given = [k for k in LENGTH_KEYS if isinstance(section, dict) and section.get(k) is not None]
     if len(given) == 2:
         raise ConfigError("train.tokens", section["tokens"], f"is given together with train.steps="
-                          f"{section['steps']} {source}; give exactly one (steps = ceil(tokens / (global batch x seq_len)))")
+                          f"{section['steps']} {source}; give exactly one (steps = ceil(tokens / (global batch x "
+                          "seq_len)))")
 
 
 def merge_lengths(file_train: dict, override_keys: set[str]) -> None:

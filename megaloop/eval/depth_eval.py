@@ -52,10 +52,12 @@ def validation_rows(shards, limit: int | None = None) -> tuple[Rows, float | Non
     n = len(ds) if limit is None else min(limit, len(ds))
     tokens = torch.from_numpy(ds.read_rows(np.arange(n, dtype=np.int64)).astype(np.int64))
     from megaloop.train.data import _bytes_per_token
+    from megaloop.train.labels import next_token_labels
 
     bpt = _bytes_per_token(ds.manifest, "val")
-    rows = Rows(tokens, torch.ones(n, tokens.shape[1] - 1, dtype=torch.bool), torch.arange(n))
-    rows.bytes = bpt * n * (tokens.shape[1] - 1) if bpt else None
+    pad_id = ds.manifest["tokenizer"].get("pad_id")  # a padded row's padding carries no label, as in training
+    rows = Rows(tokens, next_token_labels(tokens, pad_id) != -100, torch.arange(n))
+    rows.bytes = bpt * float(rows.labelled.sum()) if bpt else None
     return rows, bpt
 
 

@@ -54,7 +54,7 @@ def prepare(scale: Scale, quiet: bool = True) -> Path:
           "--vocab-size", str(s["vocab_size"]), "--max-bytes", str(s["tokenizer_bytes"]), "--overwrite", *q])
     _run([sys.executable, "-m", "data_prep", "shards", "--input", str(corpus), "--tokenizer", str(tok),
           "--output", str(out), "--seq-len", str(s["seq_len"]), "--val-fraction", str(s["val_fraction"]), "--shard-size", "4096",
-          "--overwrite", *q])
+          "--packing", "stream", "--overwrite", *q])  # books and chapters: best fit would keep a row of each
     return out
 
 

@@ -33,6 +33,7 @@ class ShardData:
         self.sources = shard_sources(cfg)
         self.source = self.sources[0]  # validation reads the first corpus of a mix
         self.manifest = self.source.manifest()
+        self.pad_id = self.manifest["tokenizer"].get("pad_id")  # every batch carries it: labels.py masks its targets
         for source in self.sources:
             if source.streams:  # a local manifest was checked with the config (megaloop.config.tree)
                 _check_remote_manifest(cfg, source.manifest(), source.url)
@@ -75,12 +76,13 @@ class ShardData:
         self._ahead = itertools.chain([next(batches)], batches)
 
     def _shared(self, batches):
-        """The batches with the replica reader's tokens (as they are, when this rank reads for itself alone)."""
+        """The batches, each with the shards' pad_id, with the replica reader's tokens (as they are, when this rank
+        reads for itself alone)."""
         if self.replica is None or not self.replica.shares:
-            yield from batches
+            yield from ({**batch, "pad_id": self.pad_id} for batch in batches)
             return
         for batch in batches:
-            yield {**batch, "tokens": self.replica.share(batch["tokens"])}
+            yield {**batch, "tokens": self.replica.share(batch["tokens"]), "pad_id": self.pad_id}
 
     @property
     def rows_read(self) -> int:
@@ -103,9 +105,9 @@ class ShardData:
             from data_prep.loader import validation_batches
 
             d = self.cfg.data
-            self._val = list(validation_batches(self.source, d.micro_batch_size * self.dp_size, self.dp_rank,
-                                                self.dp_size, verify="none", on_corrupt=d.on_corrupt,
-                                                rows=self.val_row_count))
+            self._val = [{**batch, "pad_id": self.pad_id} for batch in validation_batches(
+                self.source, d.micro_batch_size * self.dp_size, self.dp_rank, self.dp_size, verify="none",
+                on_corrupt=d.on_corrupt, rows=self.val_row_count)]
         return self._val
 
     def epoch_of(self, batch: int) -> int:

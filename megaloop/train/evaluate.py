@@ -11,6 +11,7 @@ import math
 import torch
 
 from megaloop.model.stages import StageMicroBatch
+from megaloop.train.labels import next_token_labels
 from megaloop.train.precision import autocast_for
 from megaloop.train.protocols import TrainerRuntime
 
@@ -85,9 +86,10 @@ def _rows(batch: dict) -> int:
 
 def _micro_batch(batch: dict, depth: int, seed: int, device) -> StageMicroBatch:
     """A validation batch at fixed depth T: inputs, next-token labels (-100 on the padding rows of the last
-    batch) and h_0's noise key (seed, VAL_NOISE_STEP, row)."""
+    batch, and where the target is the shards' pad token: batch["pad_id"]) and h_0's noise key (seed,
+    VAL_NOISE_STEP, row)."""
     tokens = batch["tokens"].to(device)
-    labels = tokens[:, 1:].clone()
+    labels = next_token_labels(tokens, batch.get("pad_id")).clone()
     valid = batch.get("valid")
     if valid is not None:
         labels[~valid.to(device)] = -100

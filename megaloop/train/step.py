@@ -29,6 +29,7 @@ from megaloop.depth.balance import idle_fraction, split_rank_rows
 from megaloop.model.stages import StageMicroBatch
 from megaloop.model.transfer import HostCopy, to_device
 from megaloop.train.flops import FlopModel
+from megaloop.train.labels import next_token_labels
 from megaloop.train.precision import autocast_for
 from megaloop.train.protocols import TrainerRuntime
 from megaloop.train.stopping import STOP_CODES, job_stop_code
@@ -138,7 +139,7 @@ def train_step(model, optimizer, batch: dict, depth_sample, step: int, seed: int
     scales = [len(mb.rows) * seq / global_tokens for mb in plan]  # each one's share of the global token mean
     autocast = functools.partial(autocast_for, cfg.train.precision, device)
     with loop_guard():
-        micro_batches = _stage_micro_batches(tokens, sample_index, plan, device, (seed, step))
+        micro_batches = _stage_micro_batches(tokens, sample_index, plan, device, (seed, step), batch.get("pad_id"))
         results = runtime.run_micro_batches(model, micro_batches, scales, autocast, timer)
         for mb, result in zip(plan, results):
             _accumulate(stats, result, mb, len(mb.rows) * seq)
@@ -181,7 +182,8 @@ def schedule_ahead(cfg, runtime: TrainerRuntime, model):
     return prepare
 
 
-def _stage_micro_batches(tokens, sample_index, plan: list[MicroBatch], device, seed_step: tuple) -> list:
+def _stage_micro_batches(tokens, sample_index, plan: list[MicroBatch], device, seed_step: tuple,
+                         pad_id: int | None = None) -> list:
     """The micro-batches' rows as the model takes them (StageMicroBatch): inputs and next-token labels on `device`,
     host depths, and h_0's noise key (seed, step, the rows' global sample indices). The batch's tokens (pinned by
     the loader where the device is CUDA) and the micro-batches' row order each go to the device in one
@@ -193,7 +195,8 @@ def _stage_micro_batches(tokens, sample_index, plan: list[MicroBatch], device, s
     for mb in plan:
         part, start = ids[start:start + len(mb.rows)], start + len(mb.rows)
         noise_key = (*seed_step, sample_index[torch.from_numpy(mb.rows)])
-        out.append(StageMicroBatch(part[:, :-1], part[:, 1:], mb.depth, mb.backprop_depth, noise_key))
+        labels = next_token_labels(part, pad_id)  # -100 where the target is padding (labels.py)
+        out.append(StageMicroBatch(part[:, :-1], labels, mb.depth, mb.backprop_depth, noise_key))
     return out
 
 

@@ -134,7 +134,8 @@ def test_a_single_document_corpus_passes_val_fraction_zero(made, tmp_path, capsy
 
 
 def test_rows_longer_than_the_text_get_further_each_way_the_refusal_names(made, tmp_path, capsys):
-    argv = with_option(shards_args(made, tmp_path / "s"), "--seq-len", "60000")  # a chapter holds ~16k tokens
+    # a chapter holds ~16k tokens; stream packing refuses (best fit makes one padded row of any text)
+    argv = with_option(shards_args(made, tmp_path / "s", "--packing", "stream"), "--seq-len", "60000")
     advice = refused(capsys, argv)
     assert "lower --seq-len" in advice and "pass --keep-last-partial" in advice, advice
     assert main(argv + ["--keep-last-partial"]) == 0

@@ -269,6 +269,14 @@ def test_command_line_bad_input_is_one_line(small_shards, small_corpus, chapters
     _assert_one_line_error(_data_prep("shards", "--input", small_corpus, "--tokenizer", chapters_tokenizer.directory,
                                       "--output", a_file, "--seq-len", 32, "--quiet"),
                            f"--output {a_file} is a file, not a directory")
+    for buffer in (0, -5):  # a text directory (one stream) and work units: refused before anything is written
+        for engine in ("stream", "units"):
+            out = tmp_path / f"buffer{buffer}_{engine}"
+            _assert_one_line_error(_data_prep("shards", "--input", small_corpus, "--tokenizer",
+                                              chapters_tokenizer.directory, "--output", out, "--seq-len", 32,
+                                              "--pack-buffer", buffer, "--engine", engine, "--quiet"),
+                                   f"--pack-buffer must be at least 1 document, got {buffer}", "--pack-buffer 1000")
+            assert not out.exists()
     _assert_one_line_error(_data_prep("inspect", small_shards, "--split", "test", "--quiet"),
                            "--split 'test' is not a split of", "['train', 'val']")
     _assert_one_line_error(_data_prep("inspect", small_shards, "--sample-tokens", -1, "--quiet"),

@@ -40,7 +40,7 @@ def test_end_to_end_tokenizer_shards_inspect(small_corpus, tmp_path):
     out = _cli("tokenizer", "--input", str(small_corpus), "--output", str(tok), "--vocab-size", "512").stdout
     assert "vocab 512" in out and "hash " in out and "bytes per token" in out
     out = _cli("shards", "--input", str(small_corpus), "--tokenizer", str(tok), "--output", str(shards),
-               "--seq-len", "128", "--workers", "2", "--val-fraction", "0.1", "--shard-size", "50").stdout
+               "--seq-len", "128", "--workers", "2", "--val-fraction", "0.1", "--shard-size", "5").stdout
     assert "MB/s" in out and "train:" in out and "val:" in out
     report = _cli("inspect", str(shards)).stdout
     assert "checksums (full):" in report and "hash matches the manifest" in report and "<|bos|>" in report

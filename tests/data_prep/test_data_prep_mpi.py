@@ -42,7 +42,7 @@ def test_mpirun_1_2_4_ranks_give_identical_bytes(small_corpus, chapters_tokenize
         out = tmp_path / f"mpi{ranks}"
         done = _mpirun(ranks, "--input", str(small_corpus), "--tokenizer", str(chapters_tokenizer.directory),
                        "--output", str(out), "--seq-len", str(SEQ_LEN), "--shard-size", "300",
-                       "--val-fraction", "0.1", "--quiet")
+                       "--val-fraction", "0.1", "--packing", "stream", "--quiet")  # ShardOptions' default
         assert done.returncode == 0, done.stderr
         assert f"({ranks} rank(s) x 1 worker(s)" in done.stdout
         outputs[ranks] = _files(out)

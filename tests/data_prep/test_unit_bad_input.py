@@ -79,8 +79,18 @@ def empty_selection(d: Path):
     return ["--glob", "*.parquet"], [str(d), "'*.parquet'"]
 
 
+def pack_buffer_zero(d: Path):
+    _parquet(d / "a.parquet", DOCS)
+    return ["--pack-buffer", "0"], ["--pack-buffer must be at least 1 document, got 0"]
+
+
+def pack_buffer_negative(d: Path):
+    (d / "a.jsonl").write_bytes(_jsonl(DOCS))
+    return ["--pack-buffer", "-1", "--packing", "stream"], ["--pack-buffer must be at least 1 document, got -1"]
+
+
 CASES = [no_text_column, truncated_parquet, truncated_gzip, truncated_zstd, bad_json_line, text_not_a_string,
-         token_id_too_large, mixed_formats, empty_selection]
+         token_id_too_large, mixed_formats, empty_selection, pack_buffer_zero, pack_buffer_negative]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
