@@ -161,11 +161,22 @@ def _corpora(cfg: Config) -> list[str]:
 
 
 def _check_remote_manifest(cfg: Config, manifest: dict, url: str) -> None:
-    """The checks the config makes of a local manifest, for one read from a store: vocabulary and seq_len."""
+    """The checks the config makes of a local manifest, for one read from a store: vocabulary, seq_len, the packing
+    data.packing asks for, and under model.doc_mask the BOS id the config was given (megaloop.config.tree)."""
+    from megaloop.config.documents import frames_documents_with_bos, manifest_bos_id
+    from megaloop.config.tree import check_packing
+
     cfg.model.check_vocab_covers(manifest["tokenizer"]["vocab_size"], f"{url}/manifest.json")
     if manifest["seq_len"] != cfg.model.seq_len:
         raise ConfigError("model.seq_len", cfg.model.seq_len, f"the shards at {url} hold rows of "
                           f"seq_len={manifest['seq_len']}; set model.seq_len={manifest['seq_len']}")
+    check_packing(cfg.data.packing, manifest, f"the shards at {url}")
+    bos = manifest_bos_id(manifest)
+    if cfg.model.doc_mask and (bos != cfg.model.bos_id or not frames_documents_with_bos(manifest)):
+        raise ConfigError("model.bos_id", cfg.model.bos_id, f"the shards at {url} "
+                          + (f"mark documents with BOS id {bos}; set model.bos_id={bos}" if bos is not None
+                             and frames_documents_with_bos(manifest) else "have no BOS-framed documents (their "
+                             "tokenizer has no BOS, or packing.bos_framed is false); set model.doc_mask=false"))
 
 
 def data_order(cfg: Config) -> str:

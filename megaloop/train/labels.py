@@ -5,6 +5,11 @@ in pad tokens when a split's documents run out before the row is full, and a --k
 label whose target is the pad id becomes -100, which every loss of the model ignores (cross_entropy's
 ignore_index), so padding never counts as text to predict, and the loss over a padded row is the loss over its
 real tokens. The pad id is the shards' (manifest tokenizer.pad_id); None leaves every label as it is.
+
+The step weighs each micro-batch's mean token loss by its rows x seq_len (megaloop/train/step.py), so in a step that
+holds a padded row (at most one per split and work unit) that row's real tokens weigh slightly more than the others,
+and layouts that group the rows into different micro-batches differ in that step by this weighting; steps without
+padding are unaffected.
 """
 from __future__ import annotations
 

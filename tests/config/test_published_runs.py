@@ -146,3 +146,25 @@ def test_data_packing_is_held_to_the_manifest(tmp_path, record, wanted, refused)
     with pytest.raises(ConfigError, match=f"were packed with {have}; re-create them with `python -m data_prep "
                                           f"shards --packing {wanted}`, or set data.packing=null"):
         load_config(CONFIGS / "parcae-tiny.yaml", sets)
+
+
+def test_a_streamed_corpus_manifest_is_held_to_packing_and_bos_when_read():
+    """s3:// and http(s):// manifests are read when training starts (megaloop/train/data.py): the same refusals."""
+    from megaloop.train.data import _check_remote_manifest
+
+    manifest = {"seq_len": 128, "tokenizer": {"vocab_size": 4096, "bos_id": 0}, "packing": {"mode": "stream"}}
+    cfg = load_config(CONFIGS / "parcae-tiny.yaml", ["data.packing=bestfit"])
+    with pytest.raises(ConfigError, match="the shards at s3://b/p were packed with stream"):
+        _check_remote_manifest(cfg, manifest, "s3://b/p")
+    masked = load_config(CONFIGS / "parcae-tiny.yaml", ["model.doc_mask=true", "model.bos_id=3",
+                                                        "model.doc_attention_share=0.5"])
+    with pytest.raises(ConfigError, match="mark documents with BOS id 0; set model.bos_id=0"):
+        _check_remote_manifest(masked, manifest, "s3://b/p")
+    unframed = {**manifest, "packing": {"mode": "stream", "bos_framed": False}}
+    with pytest.raises(ConfigError, match="have no BOS-framed documents"):
+        _check_remote_manifest(load_config(CONFIGS / "parcae-tiny.yaml", ["model.doc_mask=true", "model.bos_id=0",
+                                                                          "model.doc_attention_share=0.5"]),
+                               unframed, "s3://b/p")
+    _check_remote_manifest(load_config(CONFIGS / "parcae-tiny.yaml", ["model.doc_mask=true", "model.bos_id=0",
+                                                                      "model.doc_attention_share=0.5"]),
+                           manifest, "s3://b/p")  # agrees: no error
