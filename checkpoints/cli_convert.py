@@ -39,8 +39,9 @@ from .official_release import (
 from data_prep.paths import LocalPath
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
-# `python -m megaloop check CONFIG` prints the config as JSON, then this one line
-_CHECK_TRAILER = re.compile(r"model: [0-9.]+M parameters")
+# `python -m megaloop check CONFIG` prints the config as JSON, then its summary: the model's size, and (since the run's
+# length and rates were added) the run and optimizer lines
+_CHECK_TRAILER = re.compile(r"model: [0-9.]+M parameters(\nrun: [^\n]*)?(\noptimizer: [^\n]*)?")
 
 CONVERT_EXAMPLES = """\
 examples:
@@ -60,8 +61,8 @@ examples:
   python -m checkpoints convert --to-official runs/parcae/checkpoints --out parcae.safetensors
 
 CONFIG_JSON is megaloop's resolved config tree as JSON: the config.json a run writes in train.out_dir, or the
-output of `python -m megaloop check CONFIG` (its closing 'model: ... parameters' line is skipped). A YAML config
-is not accepted: resolve it with `python -m megaloop check` first. A release folder needs no --config: official
+output of `python -m megaloop check CONFIG` (its closing summary lines, 'model: ... parameters', 'run: ...',
+'optimizer: ...', are skipped). A YAML config is not accepted: resolve it with `python -m megaloop check` first. A release folder needs no --config: official
 settings megaloop cannot compute exactly (untied head, biases, logit softcap, ...) are refused by name.
 """
 
