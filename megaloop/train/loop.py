@@ -312,13 +312,14 @@ def _note_peak(summary: RunSummary, guard: PeakGuard) -> None:
 
 
 def _print_header(cfg: Config, runtime: TrainerRuntime, summary: RunSummary, choice: PrecisionChoice) -> None:
-    """One line before the first step: what runs where, in which precision and why, against which peak."""
+    """One line before the first step: what runs where, in which precision and why, against which peak, for how
+    many steps and tokens."""
     layout = runtime.describe_layout()
     print(f"megaloop: train {cfg.train.out_dir}: {summary.n_params / 1e6:.2f}M params, tp={layout['tp']} "
           f"pp={layout.get('pp', 1)} dp={layout['dp']}, {choice.header()}; attention {summary.attention}; peak "
-          f"{summary.peak_tflops:.4f} TFLOP/s ({summary.peak_source})", file=sys.stderr, flush=True)
+          f"{summary.peak_tflops:.4f} TFLOP/s ({summary.peak_source}); run {budget_line(cfg)}", file=sys.stderr,
+          flush=True)
     groups = layout.get("process_groups")
-    print(f"megaloop: run: {budget_line(cfg)}", file=sys.stderr, flush=True)
     if groups and groups["groups"]:
         from pipeline.groups import describe_groups
 
