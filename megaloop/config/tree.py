@@ -37,6 +37,7 @@ class Config:
         self._validate_engine()
         self._validate_backend()
         self._validate_data_dir()
+        self.model.require_bos()  # doc_mask: given, or filled from the shards' manifest just above
         self._validate_fp8()
         return self
 

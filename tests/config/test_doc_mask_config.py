@@ -5,6 +5,8 @@ without the settings only they can give are one-line ConfigErrors; model.doc_att
 train rows (mean over rows of sum len_d^2 / S^2, hand-computed here) and weighted by data.mix over corpora."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -101,3 +103,15 @@ def test_a_packing_record_that_frames_with_bos_is_accepted(tmp_path):
     streamed = load_config(None, ["data.shards=s3://bucket/shards", "model.doc_mask=true", "model.bos_id=1",
                                   "model.doc_attention_share=0.5"])
     assert streamed.model.doc_attention_share == 0.5
+
+
+def test_doc_mask_without_shards_or_bos_id_is_one_line_at_check(capsys):
+    """No shards to take the BOS id from and none given: refused when the config is checked, not when the model is
+    built (a traceback)."""
+    from megaloop.__main__ import main
+
+    tiny = str(Path(__file__).resolve().parents[2] / "configs" / "parcae-tiny.yaml")
+    assert main(["check", tiny, "--set", "model.doc_mask=true"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.doc_mask=true needs the BOS token id" in err[0] and "set model.bos_id" in err[0]
+    assert main(["check", tiny, "--set", "model.doc_mask=true", "--set", "model.bos_id=0"]) == 0
